@@ -1,0 +1,9 @@
+"""flashswitch: kernels for FlashEVA attention and SwitchHead / sigma-MoE expert matmuls.
+
+Public API (SPEC.md): chunk_summaries (op 1), eva_attention (op 2), route + expert_matmul (op 3).
+Each takes `backend=` "auto" | "reference" | "triton" | "cuda" | "cupy".
+"""
+from flashswitch.ops.chunk_summaries import chunk_summaries
+
+__version__ = "0.1.0"
+__all__ = ["chunk_summaries"]

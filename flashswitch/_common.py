@@ -1,0 +1,124 @@
+"""Helpers shared by every op: argument checks, backend availability, output allocation."""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Optional, Sequence
+
+import torch
+
+BACKENDS = ("reference", "triton", "cuda", "cupy")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+# ---------------------------------------------------------------- argument checks
+def check_tensor(name: str, t, *, ndim: Optional[int] = None, dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+                 device: Optional[torch.device] = None, last_contiguous: bool = True) -> None:
+    """Raise TypeError/ValueError naming `name` when `t` is not a usable tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {allowed}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (all inputs must share one device)")
+    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim (stride {t.stride(-1)}); call .contiguous()")
+
+
+def check_shape(name: str, t: torch.Tensor, expected: Sequence[int]) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(expected)}")
+
+
+def check_positive_int(name: str, value, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5 if head_dim > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    return float(scale)
+
+
+# ---------------------------------------------------------------- backends
+@functools.lru_cache(maxsize=None)
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+        return True
+    except Exception:  # a broken optional dependency counts as missing
+        return False
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def backend_available(backend: str, device: torch.device) -> bool:
+    """Whether `backend` can run on tensors living on `device` in this process."""
+    if backend == "reference":
+        return True
+    if backend == "triton":
+        if not _importable("triton"):
+            return False
+        return device.type == "cuda" or (device.type == "cpu" and triton_interpret())
+    if device.type != "cuda":
+        return False
+    if backend == "cuda":
+        from flashswitch.bindings import cuda as cuda_loader
+        return cuda_loader.available()
+    if backend == "cupy":
+        from flashswitch.bindings import cupy as cupy_loader
+        return cupy_loader.available()
+    raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {backend!r}")
+
+
+def available_backends(device: torch.device) -> list[str]:
+    return [b for b in BACKENDS if backend_available(b, device)]
+
+
+def resolve_backend(op: str, backend: str, device: torch.device, bucket: Optional[dict]) -> str:
+    """Turn `backend` ('auto' or a name) into a backend that can run here, or raise."""
+    if backend == "auto":
+        backend = os.environ.get("FLASHSWITCH_BACKEND", "auto")
+    if backend == "auto":
+        if device.type != "cuda":
+            return "reference"
+        from flashswitch.autotune import store
+        best = store.best_backend(op, bucket) if bucket is not None else None
+        if best is not None and backend_available(best, device):
+            return best
+        for candidate in ("triton", "cuda", "cupy"):
+            if backend_available(candidate, device):
+                return candidate
+        return "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {backend!r}")
+    if not backend_available(backend, device):
+        raise ValueError(f"backend {backend!r} is not available for tensors on {device} "
+                         f"(available: {available_backends(device)}; see `flashswitch info`)")
+    return backend
+
+
+# ---------------------------------------------------------------- outputs
+def poison_outputs() -> bool:
+    """FLASHSWITCH_POISON=1 fills every kernel output with NaN before launch (tests set it)."""
+    return os.environ.get("FLASHSWITCH_POISON", "0") not in ("", "0")
+
+
+def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Kernel outputs come from here, so tests can poison them and catch unwritten elements."""
+    if poison_outputs():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)

@@ -1,0 +1,1 @@
+"""Config spaces (space.py), sweeps (tune.py) and the per-device JSON store (store.py)."""

@@ -1,0 +1,128 @@
+"""Per-device tuned configs: JSON files, run-time lookup (exact, nearest, default), atomic writes.
+
+File: `<config dir>/<device name>.json`, the folder being FLASHSWITCH_CONFIG_DIR or the package's
+`autotune/configs/`. Layout::
+
+    {"device": ..., "capability": [9, 0], "versions": {...}, "created": ...,
+     "ops": {op: {bucket_key: {"features": {...}, "best": backend,
+                               "backends": {backend: {"config": {...}, "ms": 0.123}}}}}}
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from flashswitch.autotune import space
+
+PACKAGE_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def config_dir() -> Path:
+    return Path(os.environ.get("FLASHSWITCH_CONFIG_DIR") or PACKAGE_CONFIGS)
+
+
+def device_name() -> Optional[str]:
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name()
+
+
+def device_file(name: Optional[str] = None, folder: Optional[Path] = None) -> Optional[Path]:
+    name = name or device_name()
+    if name is None:
+        return None
+    return (folder or config_dir()) / (re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") + ".json")
+
+
+def bucket_key(feats: dict) -> str:
+    return "|".join(f"{k}={feats[k]}" for k in sorted(feats))
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, mtime: float) -> dict:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+        if not isinstance(data, dict) or not isinstance(data.get("ops"), dict):
+            raise ValueError("no 'ops' table")
+        return data
+    except (OSError, ValueError) as err:
+        warnings.warn(f"flashswitch: ignoring unreadable tuned-config file {path} ({err}); "
+                      f"using heuristic defaults", RuntimeWarning, stacklevel=3)
+        return {"ops": {}}
+
+
+def load(path: Optional[Path] = None) -> dict:
+    """The tuned table for this device ({"ops": {}} when there is none)."""
+    path = path or device_file()
+    if path is None or not path.exists():
+        return {"ops": {}}
+    return _load(str(path), path.stat().st_mtime)
+
+
+def save(data: dict, path: Path) -> None:
+    """Write atomically: a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _distance(a: dict, b: dict) -> float:
+    """inf unless categorical features match; else the L1 distance of log2 of numeric ones."""
+    if a.keys() != b.keys():
+        return math.inf
+    d = 0.0
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, (str, bool)) or isinstance(y, (str, bool)):
+            if x != y:
+                return math.inf
+        else:
+            d += abs(math.log2(max(x, 1)) - math.log2(max(y, 1)))
+    return d
+
+
+def _entry(op: str, feats: dict, backend: Optional[str] = None) -> Optional[dict]:
+    table = load()["ops"].get(op, {})
+    hit = table.get(bucket_key(feats))
+    if hit is not None and (backend is None or backend in hit.get("backends", {})):
+        return hit
+    best, best_d = None, math.inf
+    for entry in table.values():
+        if backend is not None and backend not in entry.get("backends", {}):
+            continue
+        d = _distance(feats, entry.get("features", {}))
+        if d < best_d:
+            best, best_d = entry, d
+    return best
+
+
+def lookup(op: str, backend: str, feats: dict) -> dict:
+    """Config for `backend` on this bucket: exact bucket, else nearest tuned bucket, else default."""
+    entry = _entry(op, feats, backend)
+    if entry is not None:
+        cfg = entry["backends"][backend].get("config")
+        if isinstance(cfg, dict):
+            return dict(cfg)
+    return space.default_config(op, backend, feats)
+
+
+def best_backend(op: str, feats: dict) -> Optional[str]:
+    entry = _entry(op, feats)
+    return entry.get("best") if entry else None

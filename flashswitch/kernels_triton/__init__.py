@@ -1,0 +1,1 @@
+"""Triton kernels, one module per op, each with a `launch(...)` taking torch tensors and a config."""

@@ -1,0 +1,1 @@
+"""One module per op: argument checks, backend choice, torch.library registration."""

@@ -1,0 +1,48 @@
+"""Accuracy rules shared by the tests, `flashswitch check` and the tuner (SPEC.md, "Tolerances")."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# ||out - ref|| / ||ref|| bounds per dtype (fp32 assumes tf32 off / ieee dots)
+REL_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
+
+
+def to_numpy64(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().to(torch.float64).numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def rel_error(out, ref) -> float:
+    """Relative L2 error over finite reference entries; inf when `out` has NaN, or inf where ref has none."""
+    o, r = to_numpy64(out), to_numpy64(ref)
+    if o.shape != r.shape:
+        raise AssertionError(f"shape {o.shape} != reference shape {r.shape}")
+    if np.isnan(o).any():
+        return float("inf")
+    inf_r = ~np.isfinite(r)
+    if inf_r.any():  # e.g. lse = -inf for empty chunks: must match exactly
+        if not np.array_equal(o[inf_r], r[inf_r]):
+            return float("inf")
+        o, r = o[~inf_r], r[~inf_r]
+    if not np.isfinite(o).all():
+        return float("inf")
+    denom = np.linalg.norm(r)
+    num = np.linalg.norm(o - r)
+    if denom == 0:
+        return float(num)
+    return float(num / denom)
+
+
+def assert_close(name: str, out, ref, dtype: torch.dtype, *, baseline=None, factor: float = 2.0) -> float:
+    """Pass when rel_error(out) <= the dtype bound, or <= factor x the error of `baseline` (the PyTorch
+    reference in the same precision) plus the dtype's rounding floor. Returns the error."""
+    err = rel_error(out, ref)
+    bound = REL_TOL[dtype]
+    if baseline is not None:
+        floor = float(torch.finfo(dtype).eps) if dtype != torch.float64 else 1e-14
+        bound = max(bound, factor * rel_error(baseline, ref) + floor)
+    if not err <= bound:
+        raise AssertionError(f"{name}: relative error {err:.3g} > {bound:.3g} ({dtype})")
+    return err
