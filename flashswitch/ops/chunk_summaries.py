@@ -20,7 +20,7 @@ def _features(k: torch.Tensor, chunk_size: int, key_weight, valid) -> dict:
     return space.features(OP, dtype=C.DTYPE_NAMES[k.dtype], D=D, C=chunk_size, rows=B * H * N)
 
 
-def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale):
+def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale, config=None):
     B, H, N, D = k.shape
     Nc = -(-N // chunk_size)
     k_sum = C.new_output((B, H, Nc, D), k.dtype, k.device)
@@ -30,7 +30,8 @@ def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale
         if lse.numel():
             lse.fill_(float("-inf"))
         return k_sum, v_sum, lse
-    config = store.lookup(OP, backend, _features(k, chunk_size, key_weight, valid))
+    if config is None:
+        config = store.lookup(OP, backend, _features(k, chunk_size, key_weight, valid))
     if backend == "triton":
         from flashswitch.kernels_triton.chunk_summaries import launch
     elif backend == "cuda":
@@ -85,6 +86,27 @@ def _validate(k, v, chunk_size, omega, key_weight, valid, scale):
     return C.check_scale(scale, D)
 
 
+def _kernel_view(k, chunk_size, omega):
+    """Kernels read omega through a [B, Hkv, Nc, D] view (stride 0 where it is shared)."""
+    B, H, N, D = k.shape
+    if omega is not None and omega.dim() == 2:
+        omega = omega[None, :, None, :].expand(B, H, -(-N // chunk_size), D)
+    return omega
+
+
+def problem_features(k, v, chunk_size, omega=None, key_weight=None, valid=None, scale=None) -> dict:
+    """The autotune bucket of a problem (keyword arguments as `chunk_summaries` takes them)."""
+    return _features(k, chunk_size, key_weight, valid)
+
+
+def run_kernel(backend: str, config: dict, k, v, chunk_size, omega=None, key_weight=None, valid=None,
+               scale=None):
+    """One kernel call with an explicit config, for the tuner and the benchmarks: (k_sum, v_sum, lse)."""
+    scale = _validate(k, v, chunk_size, omega, key_weight, valid, scale)
+    return _run_backend(backend, k, v, chunk_size, _kernel_view(k, chunk_size, omega), key_weight, valid,
+                        scale, config)
+
+
 def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega: Optional[torch.Tensor] = None,
                     key_weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None,
                     scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto"):
@@ -95,8 +117,6 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
     "triton", "cuda" or "cupy".
     """
     scale = _validate(k, v, chunk_size, omega, key_weight, valid, scale)
-    B, H, N, D = k.shape
-    Nc = -(-N // chunk_size)
     bucket = _features(k, chunk_size, key_weight, valid) if k.is_cuda else None
     backend = C.resolve_backend(OP, backend, k.device, bucket)
     if backend == "reference":
@@ -104,10 +124,8 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
         out = torch_chunk_summaries(k, v, chunk_size, omega=omega, key_weight=key_weight, valid=valid,
                                     scale=scale, return_lse=True)
     else:
-        # Kernels read omega through a [B, Hkv, Nc, D] view (stride 0 where it is shared).
-        if omega is not None and omega.dim() == 2:
-            omega = omega[None, :, None, :].expand(B, H, Nc, D)
-        out = _chunk_summaries_op(k, v, chunk_size, omega, key_weight, valid, scale, backend)
+        out = _chunk_summaries_op(k, v, chunk_size, _kernel_view(k, chunk_size, omega), key_weight, valid,
+                                  scale, backend)
     return tuple(out) if return_lse else (out[0], out[1])
 
 

@@ -1,0 +1,58 @@
+"""Test setup: hypothesis profiles, NaN-poisoned kernel outputs, device/backend parametrization.
+
+Profiles (HYPOTHESIS_PROFILE): "ci" (CPU, Triton interpreter, few small examples), "gpu" (default
+when a GPU is visible), "fuzz" (long runs). Without a GPU the Triton kernels run under
+TRITON_INTERPRET=1 on CPU tensors; CUDA/CuPy tests skip.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any triton kernel module is imported
+os.environ["FLASHSWITCH_POISON"] = "1"  # every kernel output starts as NaN: unwritten elements fail
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+               print_blob=True)
+settings.register_profile("ci", max_examples=12, **_common)
+settings.register_profile("gpu", max_examples=60, **_common)
+settings.register_profile("fuzz", max_examples=2000, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if torch.cuda.is_available() else "ci"))
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kernel_backends():
+    """Kernel backends that can run in this process (triton runs on the CPU under the interpreter)."""
+    from flashswitch._common import backend_available
+    return [b for b in ("triton", "cuda", "cupy") if backend_available(b, torch.device(DEVICE))]
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=["triton", "cuda", "cupy"])
+def backend(request):
+    """Each kernel backend; skipped where it cannot run here."""
+    if request.param not in kernel_backends():
+        pytest.skip(f"backend {request.param} is not available on {DEVICE}")
+    return request.param
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+def dtypes_here():
+    """bf16 arithmetic is missing/wrong in the Triton interpreter: test it on the GPU only."""
+    if DEVICE == "cuda":
+        return [torch.float32, torch.float16, torch.bfloat16]
+    return [torch.float32, torch.float16]
