@@ -43,22 +43,32 @@ _ROUNDED = {
 
 
 # ---------------------------------------------------------------- op 1: chunk_summaries
+def _cs_triton_blocks(f: dict) -> tuple[int, int]:
+    """(BLOCK_J, BLOCK_D) of the Triton kernel: a chunk is read in pieces of at most 64 tokens."""
+    return min(next_pow2(f["C"]), 64), next_pow2(f["D"])
+
+
 def _cs_triton_space(f: dict) -> list[dict]:
-    block_j = min(next_pow2(f["C"]), 64)
-    block_d = next_pow2(f["D"])
+    # A program holds [BLOCK_CHUNKS, BLOCK_J, BLOCK_D] tiles of k and v; more than 64 elements of
+    # each per thread spills registers on sm_90. num_stages only matters when a chunk takes
+    # several BLOCK_J pieces (C > 64).
+    block_j, block_d = _cs_triton_blocks(f)
+    stages = (1, 2, 3) if f["C"] > block_j else (1,)
     out = []
-    for cb, w, s in itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8), (1, 2, 3)):
-        if cb * block_j * block_d > 32768 or cb * block_j * block_d < 32 * w:
+    for cb, w, s in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16), stages):
+        tile = cb * block_j * block_d
+        if tile > 64 * 32 * w or (w > 1 and tile < 32 * w * 2):
             continue
         out.append({"BLOCK_CHUNKS": cb, "num_warps": w, "num_stages": s})
     return out
 
 
 def _cs_triton_default(f: dict) -> dict:
-    block_j = min(next_pow2(f["C"]), 64)
-    block_d = next_pow2(f["D"])
-    cb = max(1, min(8, 4096 // (block_j * block_d)))
-    return {"BLOCK_CHUNKS": cb, "num_warps": 4, "num_stages": 2}
+    # about 4096-element tiles, 32 elements per thread
+    block_j, block_d = _cs_triton_blocks(f)
+    cb = max(1, min(64, 4096 // (block_j * block_d)))
+    w = max(1, min(16, cb * block_j * block_d // 1024))
+    return {"BLOCK_CHUNKS": cb, "num_warps": w, "num_stages": 2 if f["C"] > block_j else 1}
 
 
 def _cs_cuda_space(f: dict) -> list[dict]:
@@ -69,16 +79,148 @@ def _cs_cuda_default(f: dict) -> dict:
     return {"threads": 128, "unroll": 2}
 
 
+# ---------------------------------------------------------------- op 2: eva_attention
+def _eva_triton_fits(f: dict, bm: int, bn: int, w: int, stages: int) -> bool:
+    """Shared memory (q tile + `stages` k/v tiles) within ~200 KB and a register budget of about
+    64 fp32 accumulator values per thread."""
+    bd = max(16, next_pow2(f["D"]))
+    elt = 4 if f["dtype"] == "fp32" else 2
+    smem = (bm * bd + stages * 2 * bn * bd) * elt
+    return smem <= 200 * 1024 and bm * bd <= 2048 * w and bm * bn <= 4096 * w
+
+
+def _eva_triton_space(f: dict) -> list[dict]:
+    # BLOCK_M is clamped to the rows of a (batch, head) at launch; decode also sweeps the number of
+    # key-range splits (0 = automatic)
+    out = []
+    if f.get("decode"):
+        bns = (32, 64) if f["D"] > 128 else (64, 128)
+        for bn, w, s, sp in itertools.product(bns, (4, 8), (2, 3), (0, 1, 2, 4, 8, 16)):
+            if _eva_triton_fits(f, 64, bn, w, s):
+                out.append({"BLOCK_M": 64, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "NUM_SPLITS": sp})
+        return out
+    for bm, bn, w, s in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+        if _eva_triton_fits(f, bm, bn, w, s):
+            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s})
+    return out
+
+
+def _eva_triton_default(f: dict) -> dict:
+    D, fp32 = f["D"], f["dtype"] == "fp32"
+    if f.get("decode"):
+        cfg = {"BLOCK_M": 64, "BLOCK_N": 32 if D > 128 or fp32 else 64, "num_warps": 4, "num_stages": 3,
+               "NUM_SPLITS": 0}
+    elif fp32:
+        cfg = {"BLOCK_M": 32 if D > 128 else 64, "BLOCK_N": 32, "num_warps": 4 if D <= 64 else 8,
+               "num_stages": 2}
+    elif D <= 64:
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    elif D <= 128:
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    else:
+        cfg = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    # a short sliding window: smaller query tiles waste less of the ragged band of exact keys
+    if not f.get("decode") and f.get("window") == "sliding" and f.get("W", 1 << 30) < 4 * cfg["BLOCK_M"]:
+        cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
+    return cfg
+
+
+# ---------------------------------------------------------------- op 3: expert_matmul
+_EM_L2_BUDGET = 16 << 20  # bytes of accumulator / weights a schedule tries to keep in L2
+
+
+def _em_facts(f: dict) -> dict:
+    S, G_out = f["S"], f["G_out"]
+    pairs = f["tokens"] * S
+    return dict(pairs=pairs, per_expert=pairs / max(f["E"], 1),
+                atomic=G_out < S and not f.get("deterministic", False),
+                welt=4 if f.get("wdtype", f["dtype"]) == "fp32" else 2,
+                elt=4 if f["dtype"] == "fp32" else 2)
+
+
+def _em_group_n(f: dict, bn: int) -> int:
+    """Column tiles per sweep: all of them, unless atomics target an fp32 accumulator larger than
+    the L2 budget; then a slice [T, G_out, GROUP_N * BLOCK_N] of it is finished before the next."""
+    n_tiles = -(-f["d_out"] // bn)
+    if not _em_facts(f)["atomic"] or f["tokens"] * f["G_out"] * f["d_out"] * 4 <= _EM_L2_BUDGET:
+        return n_tiles
+    return max(1, min(n_tiles, _EM_L2_BUDGET // (f["tokens"] * f["G_out"] * bn * 4)))
+
+
+def _em_interleave(f: dict, bm: int) -> bool:
+    """Interleave experts' row tiles when there are few experts with many tiles each and all weights
+    fit in L2 (SwitchHead); many small experts (sigma-MoE) keep expert-major order for weight reuse."""
+    ff = _em_facts(f)
+    return (f["E"] <= 64 and ff["per_expert"] >= 4 * bm
+            and f["E"] * f["d_in"] * f["d_out"] * ff["welt"] <= _EM_L2_BUDGET)
+
+
+def _em_triton_fits(f: dict, bm: int, bn: int, bk: int, w: int, s: int) -> bool:
+    """Shared memory of `s` A/B stages within ~200 KB; at most 128 fp32 accumulators per thread."""
+    ff = _em_facts(f)
+    smem = s * (bm * bk * ff["elt"] + bk * bn * max(ff["elt"], ff["welt"]))
+    return smem <= 200 * 1024 and bm * bn <= 128 * 32 * w
+
+
+def _em_triton_space(f: dict) -> list[dict]:
+    """Tile shapes x schedules, pruned to about 30-60 configs: one warp count per tile size (4 up to
+    64x128, 8 above), 2 stages for a single K step, and the heuristic schedule plus its variants
+    (all column tiles per sweep when the accumulator is large; the other row-tile order for few experts)."""
+    ff = _em_facts(f)
+    fp32 = f["dtype"] == "fp32"
+    bn_max = max(16, next_pow2(f["d_out"]))
+    bk_max = max(16, next_pow2(f["d_in"]))
+    bms = (32, 64, 128) if ff["per_expert"] < 512 else (64, 128)
+    bns = sorted({min(b, bn_max) for b in ((128, 256) if f["d_out"] >= 512 else (64, 128, 256))})
+    bks = sorted({min(b, bk_max) for b in ((16, 32, 64) if fp32 else (64, 128))})
+    out = []
+    for bm, bn, bk in itertools.product(bms, bns, bks):
+        w = 8 if bm * bn >= 16384 else 4
+        for s in ((2,) if bk >= f["d_in"] else (3, 4)):
+            if not _em_triton_fits(f, bm, bn, bk, w, s):
+                continue
+            gn, il = _em_group_n(f, bn), _em_interleave(f, bm)
+            schedules = {(gn, il)}
+            n_tiles = -(-f["d_out"] // bn)
+            if gn < n_tiles:
+                schedules.add((n_tiles, il))
+            if f["E"] <= 64:
+                schedules.add((gn, not il))
+            for g, i in sorted(schedules):
+                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": g, "INTERLEAVE": i,
+                            "num_warps": w, "num_stages": s})
+    return out
+
+
+def _em_triton_default(f: dict) -> dict:
+    ff = _em_facts(f)
+    fp32 = f["dtype"] == "fp32"
+    per_expert = ff["per_expert"]
+    bm = 128 if per_expert >= 1024 else 64 if per_expert >= 96 else 32 if per_expert >= 24 else 16
+    if fp32:
+        bm = min(bm, 64)
+    bn = min(128, max(16, next_pow2(f["d_out"])))
+    bk = min(32 if fp32 else 64, max(16, next_pow2(f["d_in"])))
+    w = 8 if bm * bn >= 16384 else 4
+    s = 2 if bk >= f["d_in"] else (3 if bm * bn >= 16384 or fp32 else 4)
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": _em_group_n(f, bn),
+            "INTERLEAVE": _em_interleave(f, bm), "num_warps": w, "num_stages": s}
+
+
 # ---------------------------------------------------------------- registry
 SPACES = {
     ("chunk_summaries", "triton"): _cs_triton_space,
     ("chunk_summaries", "cuda"): _cs_cuda_space,
     ("chunk_summaries", "cupy"): _cs_cuda_space,
+    ("eva_attention", "triton"): _eva_triton_space,
+    ("expert_matmul", "triton"): _em_triton_space,
 }
 DEFAULTS = {
     ("chunk_summaries", "triton"): _cs_triton_default,
     ("chunk_summaries", "cuda"): _cs_cuda_default,
     ("chunk_summaries", "cupy"): _cs_cuda_default,
+    ("eva_attention", "triton"): _eva_triton_default,
+    ("expert_matmul", "triton"): _em_triton_default,
 }
 
 # Shapes `flashswitch autotune` sweeps: keyword arguments of each op's bench/tune problem builder.
@@ -89,6 +231,22 @@ TUNE_SHAPES = {
         dict(B=1, H=16, N=32768, D=64, C=16),
         dict(B=1, H=16, N=32768, D=128, C=32),
         dict(B=4, H=8, N=4096, D=128, C=64),
+    ],
+    "eva_attention": [  # keyword arguments of reference.eva_attention.random_problem
+        dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=16, W=2048, window="block"),
+        dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=32, W=256, window="sliding"),
+        dict(B=2, H=16, Hkv=4, Nk=8192, D=128, C=16, W=1024, window="block"),
+        dict(B=1, H=16, Hkv=16, Nk=32768, D=64, C=16, W=2048, window="block"),
+        dict(B=32, H=16, Hkv=16, Nq=1, Nk=32768, D=128, C=32, W=256, window="block"),
+        dict(B=8, H=32, Hkv=8, Nq=1, Nk=16384, D=128, C=16, W=1024, window="sliding"),
+    ],
+    "expert_matmul": [  # keyword arguments of reference.expert_matmul.random_problem (its paper_shapes)
+        dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True),            # SwitchHead-262M V
+        dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True),    # SwitchHead-262M O
+        dict(T=16384, S=8, E=512, d_in=1024, d_out=128, G_out=8, gated=False),          # sigma-MoE up
+        dict(T=16384, S=8, E=512, d_in=128, d_out=1024, G_in=8, G_out=1, gated=True),   # sigma-MoE down
+        dict(T=16384, S=6, E=10, d_in=412, d_out=76, G_out=2, gated=True),              # SwitchHead-47M V
+        dict(T=16384, S=6, E=10, d_in=76, d_out=412, G_in=2, G_out=1, gated=True),      # SwitchHead-47M O
     ],
 }
 

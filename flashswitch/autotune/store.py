@@ -35,11 +35,22 @@ def device_name() -> Optional[str]:
     return torch.cuda.get_device_name()
 
 
+def device_slug(name: str) -> str:
+    """A file-name-safe form of a device name ("NVIDIA H200" -> "NVIDIA_H200")."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+
+
 def device_file(name: Optional[str] = None, folder: Optional[Path] = None) -> Optional[Path]:
     name = name or device_name()
     if name is None:
         return None
-    return (folder or config_dir()) / (re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") + ".json")
+    return (folder or config_dir()) / (device_slug(name) + ".json")
+
+
+def config_files(folder: Optional[Path] = None) -> list[Path]:
+    """The tuned-config files in the config folder, sorted by name."""
+    folder = folder or config_dir()
+    return sorted(folder.glob("*.json")) if folder.is_dir() else []
 
 
 def bucket_key(feats: dict) -> str:
@@ -76,6 +87,9 @@ def save(data: dict, path: Path) -> None:
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=1, sort_keys=True)
             fh.write("\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -1,0 +1,504 @@
+"""`flashswitch <command>` (also `python -m flashswitch`): demo | info | check | bench | autotune.
+
+  demo      run each op on a small problem on this machine; the default command
+  info      versions, GPU, which backends can run (and why not), tuned-config files, environment
+  check     every op x backend x dtype on random problems, NaN-poisoned outputs, vs the fp64 oracle
+  bench     the pytest-benchmark suite in bench/ (JSON + plot + table in bench/results/<device>/),
+            or --quick: a timing table printed here
+  autotune  sweep the kernels' configs on this GPU and write the tuned-config file
+
+Every op comes from `flashswitch.registry`; nothing here names a particular op.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+ENV_VARS = ("FLASHSWITCH_BACKEND", "FLASHSWITCH_CONFIG_DIR", "FLASHSWITCH_POISON", "FLASHSWITCH_SKIP_CUDA_BUILD",
+            "TRITON_INTERPRET", "CUDA_HOME", "CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS",
+            "HYPOTHESIS_PROFILE")
+KERNEL_BACKENDS = ("triton", "cuda", "cupy")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- output
+def _console():
+    from rich.console import Console
+    return Console(width=None if sys.stdout.isatty() else 140, highlight=False)
+
+
+def _table(title: str, columns: Sequence[str]):
+    from rich.table import Table
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    return t
+
+
+def _e(text) -> str:
+    """`text` with rich markup escaped (messages and shapes may contain [brackets])."""
+    from rich.markup import escape
+    return escape(str(text))
+
+
+def _fmt_err(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return "nan/inf" if x != x or x == float("inf") else f"{x:.2e}"
+
+
+# ---------------------------------------------------------------- environment facts
+def _dist_version(*names: str) -> Optional[str]:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _cupy_version() -> Optional[str]:
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name == "cupy" or name.startswith("cupy-"):
+            return f"{dist.version} ({name})"
+    return None
+
+
+def _device():
+    import torch
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _truthy(var: str) -> bool:
+    return os.environ.get(var, "0") not in ("", "0")
+
+
+def backend_status(backend: str, device) -> tuple[bool, str]:
+    """(usable for tensors on `device`, a one-line reason)."""
+    from flashswitch import _common as C
+    if backend == "reference":
+        return True, "PyTorch reference (vectorized, differentiable)"
+    if backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            return False, "triton is not installed"
+        if device.type == "cuda":
+            return True, f"triton {_dist_version('triton')}"
+        if C.triton_interpret():
+            return True, "Triton interpreter on CPU tensors (TRITON_INTERPRET=1; slow, no bf16)"
+        return False, "no GPU (set TRITON_INTERPRET=1 to run on CPU)"
+    if backend == "cuda":
+        built = importlib.util.find_spec("flashswitch._C") is not None
+        if not built:
+            why = ("FLASHSWITCH_SKIP_CUDA_BUILD was set" if _truthy("FLASHSWITCH_SKIP_CUDA_BUILD")
+                   else "FLASHSWITCH_SKIP_CUDA_BUILD or no nvcc")
+            return False, f"extension not built ({why})"
+        if device.type != "cuda":
+            return False, "extension flashswitch._C built, but no GPU"
+        return _loader_status("cuda", device)
+    if backend == "cupy":
+        ver = _cupy_version()
+        if ver is None:
+            return False, "cupy is not installed (pip install 'flashswitch[cupy]')"
+        if device.type != "cuda":
+            return False, f"cupy {ver} installed, but no GPU"
+        return _loader_status("cupy", device)
+    return False, "unknown backend"
+
+
+def _loader_status(backend: str, device) -> tuple[bool, str]:
+    from flashswitch import _common as C
+    try:
+        ok = C.backend_available(backend, device)
+    except Exception as err:
+        return False, f"loader failed: {type(err).__name__}: {err}"
+    if ok:
+        return True, "loaded"
+    try:
+        mod = importlib.import_module(f"flashswitch.bindings.{backend}")
+        reason = getattr(mod, "unavailable_reason", None)
+        reason = reason() if callable(reason) else reason
+    except Exception as err:
+        reason = f"{type(err).__name__}: {err}"
+    return False, str(reason or "failed to load")
+
+
+def usable_kernel_backends(device) -> list[str]:
+    return [b for b in KERNEL_BACKENDS if backend_status(b, device)[0]]
+
+
+# ---------------------------------------------------------------- info
+def cmd_info(args) -> int:
+    import torch
+    import flashswitch
+    from flashswitch.autotune import store
+    from flashswitch import registry
+
+    con = _console()
+    con.print(f"[bold]flashswitch {flashswitch.__version__}[/bold]  ({Path(flashswitch.__file__).parent})")
+    con.print(f"python {platform.python_version()}  torch {torch.__version__} (CUDA {torch.version.cuda})  "
+              f"triton {_dist_version('triton') or 'not installed'}  cupy {_cupy_version() or 'not installed'}")
+    device = _device()
+    if device.type == "cuda":
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            con.print(f"GPU {i}: {p.name}, capability {p.major}.{p.minor}, {p.multi_processor_count} SMs, "
+                      f"{p.total_memory / 2**30:.0f} GiB")
+    else:
+        con.print("GPU: none visible (torch.cuda.is_available() is False): kernels run only under "
+                  "TRITON_INTERPRET=1; the references always run")
+    t = _table(f"backends for tensors on {device.type}", ["backend", "usable", "why"])
+    for b in ("reference",) + KERNEL_BACKENDS:
+        ok, why = backend_status(b, device)
+        t.add_row(b, "yes" if ok else "no", _e(why))
+    con.print(t)
+    con.print(f"ops: {', '.join(registry.OPS)}")
+    folder = store.config_dir()
+    src = "FLASHSWITCH_CONFIG_DIR" if os.environ.get("FLASHSWITCH_CONFIG_DIR") else "package default"
+    con.print(f"config folder: {folder} ({src})")
+    files = store.config_files(folder)
+    mine = store.device_file()
+    for f in files:
+        try:
+            data = store.load(f)
+            ops = ", ".join(f"{op} ({len(tab)} buckets)" for op, tab in data.get("ops", {}).items()) or "empty"
+        except Exception as err:
+            ops = f"unreadable: {err}"
+        mark = "  <- this device" if mine is not None and f == mine else ""
+        con.print(_e(f"  {f.name}: {ops}{mark}"))
+    if not files:
+        con.print("  no tuned-config files (heuristic defaults are used; `flashswitch autotune` makes one)")
+    elif mine is not None and not mine.exists():
+        con.print(f"  none for this device ({mine.name}): heuristic defaults are used")
+    env = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("FLASHSWITCH_") and k not in env})
+    con.print(_e("environment: " + (", ".join(f"{k}={v}" for k, v in sorted(env.items())) or "none of "
+                                    + ", ".join(ENV_VARS[:5]) + " set")))
+    return 0
+
+
+# ---------------------------------------------------------------- check
+def _compare(spec, outs, oracle, baseline, *, use_baseline: bool):
+    """(max relative error, failure message or None) of `outs` against the oracle."""
+    from flashswitch.testing import assert_close, rel_error
+    if len(outs) != len(oracle):
+        return None, f"{len(outs)} outputs, expected {len(oracle)}"
+    worst, msg = 0.0, None
+    for name, out, ref, base in zip(spec.output_names(len(outs)), outs, oracle, baseline):
+        err = rel_error(out, ref)
+        worst = max(worst, err) if err == err else float("inf")
+        try:
+            assert_close(name, out, ref, out.dtype, baseline=base if use_baseline else None)
+        except AssertionError as e:
+            msg = msg or str(e)
+    return worst, msg
+
+
+def cmd_check(args) -> int:
+    import torch
+    from flashswitch import registry
+    from flashswitch.autotune.tune import poisoned
+
+    con = _console()
+    device = _device()
+    specs = registry.select(args.ops)
+    kernels = usable_kernel_backends(device)
+    backends = ["reference"] + kernels
+    if args.backends:
+        unknown = set(args.backends) - set(("reference",) + KERNEL_BACKENDS)
+        if unknown:
+            con.print(f"unknown backend(s): {', '.join(sorted(unknown))}")
+            return 2
+        backends = [b for b in backends if b in args.backends]
+    dtypes = args.dtypes or (["bf16", "fp16", "fp32"] if device.type == "cuda" else ["fp32", "fp16", "bf16"])
+    con.print(f"checking {', '.join(s.name for s in specs)} on {device.type}: backends {', '.join(backends)}; "
+              f"dtypes {', '.join(dtypes)}; outputs NaN-poisoned; oracle: fp64 NumPy")
+    if device.type == "cpu" and not kernels:
+        con.print("(no kernel backend runs here: set TRITON_INTERPRET=1 to check the Triton kernels on CPU)")
+    t = _table("flashswitch check", ["op", "backend", "dtype", "problem", "max rel err", "result"])
+    failures = []
+    n_pass = n_skip = 0
+    with poisoned():
+        for spec in specs:
+            for case in spec.check_cases:
+                for trial in range(args.trials):
+                    seed = args.seed + trial
+                    for dt in dtypes:
+                        problem = spec.random_problem(**case, dtype=dt, device=device, seed=seed)
+                        label = registry.describe(case) + (f" seed={seed}" if args.trials > 1 else "")
+                        oracle = spec.oracle_outputs(problem)
+                        baseline = spec.torch_outputs(problem)
+                        for b in backends:
+                            if b == "triton" and device.type == "cpu" and dt == "bf16":
+                                n_skip += 1
+                                continue  # bf16 arithmetic is missing in the Triton interpreter
+                            try:
+                                outs = baseline if b == "reference" else spec.kernel_outputs(b, None, problem)
+                                err, msg = _compare(spec, outs, oracle, baseline, use_baseline=b != "reference")
+                            except Exception as e:  # a crash is a failure of that row, not of the run
+                                err, msg = None, f"{type(e).__name__}: {e}"
+                            ok = msg is None
+                            n_pass += ok
+                            if not ok:
+                                failures.append(f"{spec.name} {b} {dt} [{label}]: {msg}")
+                            t.add_row(spec.name, b, dt, _e(label), _fmt_err(err),
+                                      "[green]pass[/green]" if ok else "[red]FAIL[/red]")
+    con.print(t)
+    if n_skip:
+        con.print(f"{n_skip} triton bf16 rows skipped (bf16 is not supported by the Triton interpreter)")
+    for f in failures:
+        con.print(f"[red]FAIL[/red] {_e(f)}")
+    con.print(f"{n_pass} passed, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+# ---------------------------------------------------------------- demo
+def _time_ms(fn, device, repeat: int) -> float:
+    import torch
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _shapes(problem: dict) -> str:
+    import torch
+    return ", ".join(f"{k} {list(v.shape)}" for k, v in problem.items() if isinstance(v, torch.Tensor))
+
+
+def cmd_demo(args) -> int:
+    import torch
+    from flashswitch import _common as C
+    from flashswitch import registry
+    from flashswitch.testing import assert_close, rel_error
+
+    con = _console()
+    device = _device()
+    dt = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    kernels = usable_kernel_backends(device)
+    con.print(f"flashswitch demo on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} "
+              f"({dt}); backends here: reference{''.join(', ' + b for b in kernels)}")
+    if device.type == "cpu" and not kernels:
+        con.print("(kernels need a GPU; set TRITON_INTERPRET=1 to also run the Triton kernels on CPU)")
+    bad = 0
+    for spec in registry.select(args.ops):
+        problem = spec.random_problem(**spec.demo_case, dtype=dt, device=device, seed=args.seed)
+        bucket = spec.features(problem) if device.type == "cuda" else None
+        try:
+            auto = C.resolve_backend(spec.name, "auto", device, bucket)
+        except Exception as err:
+            auto = f"? ({err})"
+        con.print(f"\n[bold]{spec.name}[/bold]  {registry.describe(spec.demo_case)}")
+        con.print(_e(f"  inputs: {_shapes(problem)}"))
+        con.print(_e(f"  backend='auto' picks: {auto}"))
+        oracle = spec.oracle_outputs(problem)
+        baseline = spec.torch_outputs(problem)
+        t = _table("", ["backend", "outputs", "max rel err vs fp64", "ok", "ms"])
+        for b in ["reference"] + kernels:
+            fn = spec.torch_callable(problem) if b == "reference" else spec.kernel_callable(b, None, problem)
+            try:
+                outs = registry.as_tuple(fn())
+                err = max(rel_error(o, r) for o, r in zip(outs, oracle)) if outs else 0.0
+                for name, o, r, base in zip(spec.output_names(len(outs)), outs, oracle, baseline):
+                    assert_close(name, o, r, o.dtype, baseline=None if b == "reference" else base)
+                ok = "yes"
+                ms = _time_ms(fn, device, 5 if device.type == "cuda" or b == "reference" else 2)
+                shapes = "  ".join(f"{n} {list(o.shape)}" for n, o in zip(spec.output_names(len(outs)), outs))
+            except Exception as e:
+                bad += 1
+                t.add_row(b + (" (auto)" if b == auto else ""), "-", "-",
+                          f"[red]{_e(type(e).__name__)}: {_e(e)}[/red]", "-")
+                continue
+            t.add_row(b + (" (auto)" if b == auto else ""), _e(shapes), _fmt_err(err), ok, f"{ms:.3f}")
+        con.print(t)
+    con.print("\nmore: flashswitch info | check | bench | autotune   (flashswitch <command> --help)")
+    return 1 if bad else 0
+
+
+# ---------------------------------------------------------------- bench
+def _bench_dir() -> Optional[Path]:
+    for root in (Path.cwd(), REPO_ROOT):
+        if (root / "bench" / "conftest.py").exists():
+            return root / "bench"
+    return None
+
+
+def _device_slug() -> str:
+    from flashswitch.autotune import store
+    name = store.device_name()
+    return store.device_slug(name) if name else "cpu"
+
+
+def cmd_bench(args) -> int:
+    import torch
+    from flashswitch import registry
+
+    con = _console()
+    if args.quick:
+        return _quick_bench(con, registry.select(args.ops), args)
+    bench = _bench_dir()
+    if bench is None:
+        con.print("bench/ not found: run from the repository root (the suite is not part of the installed package)")
+        return 2
+    if not torch.cuda.is_available():
+        con.print("[yellow]no GPU: the benchmark suite will skip every case[/yellow]")
+    out = Path(args.out) if args.out else bench / "results" / _device_slug()
+    out.mkdir(parents=True, exist_ok=True)
+    rc = 0
+    if args.ceilings:
+        rc |= subprocess.call([sys.executable, str(bench / "ceilings.py"), "--out", str(out)])
+    for spec in registry.select(args.ops):
+        file = bench / f"bench_{spec.name}.py"
+        if not file.exists():
+            con.print(f"{file} missing: no benchmark for {spec.name}")
+            continue
+        js = out / f"{spec.name}.json"
+        cmd = [sys.executable, "-m", "pytest", str(file), "-q", "-p", "no:cacheprovider",
+               f"--benchmark-json={js}", *args.pytest_args]
+        con.print("$ " + " ".join(cmd))
+        r = subprocess.call(cmd, cwd=str(bench.parent))
+        rc |= r
+        if js.exists() and js.stat().st_size:
+            rc |= subprocess.call([sys.executable, str(bench / "plot.py"), str(js)])
+    return 1 if rc else 0
+
+
+def _quick_bench(con, specs, args) -> int:
+    import torch
+    from flashswitch import registry
+    from flashswitch.autotune.tune import bench_ms
+
+    if not torch.cuda.is_available():
+        con.print("bench --quick times CUDA kernels and needs a GPU; none is visible")
+        return 2
+    device = torch.device("cuda")
+    kernels = usable_kernel_backends(device)
+    t = _table(f"flashswitch bench --quick on {torch.cuda.get_device_name()} (do_bench median)",
+               ["op", "problem", "dtype", "backend", "ms", "throughput", "vs reference"])
+    for spec in specs:
+        for shape in spec.bench_shapes:
+            problem = spec.random_problem(**shape, dtype=args.dtype or "bf16", device=device)
+            ref_ms = None
+            for b in ["reference"] + kernels:
+                fn = spec.torch_callable(problem) if b == "reference" else spec.kernel_callable(b, None, problem)
+                try:
+                    ms = bench_ms(fn)
+                except Exception as e:
+                    t.add_row(spec.name, registry.describe(shape), problem_dtype(problem), b,
+                              f"{type(e).__name__}", "-", "-")
+                    continue
+                ref_ms = ms if b == "reference" else ref_ms
+                thr = spec.throughput(problem, ms)
+                thr_s = "  ".join(f"{v:.1f} {k}" for k, v in thr.items())
+                t.add_row(spec.name, registry.describe(shape), problem_dtype(problem), b, f"{ms:.4f}", thr_s,
+                          f"{ref_ms / ms:.2f}x" if ref_ms else "-")
+            del problem
+    con.print(t)
+    return 0
+
+
+def problem_dtype(problem: dict) -> str:
+    import torch
+    from flashswitch._common import DTYPE_NAMES
+    for v in problem.values():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return DTYPE_NAMES.get(v.dtype, str(v.dtype))
+    return "-"
+
+
+# ---------------------------------------------------------------- autotune
+def cmd_autotune(args) -> int:
+    import torch
+    con = _console()
+    if not torch.cuda.is_available():
+        con.print("autotune times kernels on a CUDA GPU, and none is visible (torch.cuda.is_available() is "
+                  "False). Run it on the GPU machine; without a tuned file the heuristic defaults are used.")
+        return 2
+    from flashswitch.autotune.tune import tune
+    res = tune(ops=args.ops, backends=args.backends, dtypes=args.dtypes, budget_s=args.budget, out_dir=args.out,
+               seed=args.seed, progress=not args.no_progress, resume=args.resume)
+    con.print(f"tuned {res['buckets']} of {res['planned']} buckets -> {res['path']}"
+              + (f" (stopped: {res['stopped']})" if res["stopped"] else ""))
+    return 0 if res["buckets"] else 1
+
+
+# ---------------------------------------------------------------- argument parsing
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flashswitch", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="With no command, runs `demo`.")
+    sub = p.add_subparsers(dest="cmd", metavar="{demo,info,check,bench,autotune}")
+
+    def ops_arg(sp):
+        sp.add_argument("--ops", nargs="+", metavar="OP", help="ops to include (default: all)")
+
+    d = sub.add_parser("demo", help="run each op on a small problem here (CPU works)")
+    ops_arg(d)
+    d.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default bf16 on a GPU, fp32 on CPU")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_demo)
+
+    i = sub.add_parser("info", help="versions, GPU, usable backends, config files, environment")
+    i.set_defaults(func=cmd_info)
+
+    c = sub.add_parser("check", help="every op/backend/dtype vs the fp64 oracle; exit 1 on any mismatch")
+    ops_arg(c)
+    c.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16", "fp32"))
+    c.add_argument("--backends", nargs="+", metavar="B", help="reference, triton, cuda, cupy (default: all usable)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--trials", type=int, default=1, help="random problems per case (seeds seed..seed+N-1)")
+    c.set_defaults(func=cmd_check)
+
+    b = sub.add_parser("bench", help="benchmark suite -> bench/results/<device>/ (or --quick table)")
+    ops_arg(b)
+    b.add_argument("--quick", action="store_true", help="print a do_bench table instead of the pytest suite")
+    b.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="--quick only (default bf16)")
+    b.add_argument("--out", help="results folder (default bench/results/<device>)")
+    b.add_argument("--ceilings", action="store_true", help="measure copy/matmul ceilings first (bench/ceilings.py)")
+    b.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    b.set_defaults(func=cmd_bench)
+
+    a = sub.add_parser("autotune", help="tune the kernel configs on this GPU and save them")
+    ops_arg(a)
+    a.add_argument("--backends", nargs="+", metavar="B", help="kernel backends (default: all usable)")
+    a.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=("bf16", "fp16", "fp32"))
+    a.add_argument("--budget", type=float, default=480.0, help="wall-clock seconds (default 480)")
+    a.add_argument("--out", help="folder of <device>.json (default: the package's config folder)")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--resume", action="store_true",
+                   help="skip buckets the file already holds complete (continue a run the budget cut short)")
+    a.add_argument("--no-progress", action="store_true")
+    a.set_defaults(func=cmd_autotune)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if args.cmd is None:
+        args = parser.parse_args(["demo"] + argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as err:  # e.g. an unknown op name
+        print(f"flashswitch {args.cmd}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+// Definitions shared by the flashswitch CUDA kernels and their host code.
+//
+// Compiles under nvcc (AOT extension), under NVRTC (CuPy JIT) and, for the constants only, under a
+// plain C++ compiler (the torch bindings): device code uses no host-only headers, and host-only
+// includes sit behind `#ifndef __CUDACC_RTC__`.
+#pragma once
+
+// Element types of tensors passed to the launchers (mirrored in flashswitch/bindings/cupy.py).
+#define FS_DTYPE_F32 0
+#define FS_DTYPE_F16 1
+#define FS_DTYPE_BF16 2
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+
+#ifndef __CUDACC_RTC__
+#include <cuda_runtime.h>
+#endif
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace flashswitch {
+
+typedef long long i64;  // no <cstdint> under NVRTC
+
+#define FS_LOG2E 1.4426950408889634f
+#define FS_LN2 0.6931471805599453f
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// ------------------------------------------------------------------ element types
+// Raw storage bits <-> float. 16-bit types live in the low half of an unsigned int.
+template <int DT>
+struct Elem;
+
+template <>
+struct Elem<FS_DTYPE_F32> {
+  static constexpr int kSize = 4;
+  static __device__ __forceinline__ float to_float(unsigned int b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ unsigned int from_float(float f) { return __float_as_uint(f); }
+};
+
+template <>
+struct Elem<FS_DTYPE_F16> {
+  static constexpr int kSize = 2;
+  static __device__ __forceinline__ float to_float(unsigned int b) {
+    return __half2float(__ushort_as_half((unsigned short)(b & 0xffffu)));
+  }
+  static __device__ __forceinline__ unsigned int from_float(float f) {
+    return (unsigned int)__half_as_ushort(__float2half_rn(f));
+  }
+};
+
+template <>
+struct Elem<FS_DTYPE_BF16> {
+  static constexpr int kSize = 2;
+  static __device__ __forceinline__ float to_float(unsigned int b) { return __uint_as_float(b << 16); }
+  static __device__ __forceinline__ unsigned int from_float(float f) {
+    return (unsigned int)__bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+};
+
+// One scalar of a tensor whose dtype is known only at run time (small operands such as omega).
+__device__ __forceinline__ float load_any(const void* p, int dtype, i64 i) {
+  if (dtype == FS_DTYPE_F32) return __ldg(reinterpret_cast<const float*>(p) + i);
+  const unsigned int b = __ldg(reinterpret_cast<const unsigned short*>(p) + i);
+  return dtype == FS_DTYPE_F16 ? Elem<FS_DTYPE_F16>::to_float(b) : Elem<FS_DTYPE_BF16>::to_float(b);
+}
+
+// ------------------------------------------------------------------ vectors
+// VEC elements of type DT moved as one 16, 8, 4 or 2-byte access, held as 32-bit words.
+template <int DT, int VEC>
+struct Vec {
+  static constexpr int kBytes = VEC * Elem<DT>::kSize;
+  static constexpr int kWords = kBytes >= 4 ? kBytes / 4 : 1;
+  unsigned int w[kWords];
+
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = 0u;
+  }
+
+  // p must be aligned to kBytes.
+  __device__ __forceinline__ void load(const void* p) {
+    if constexpr (kBytes == 16) {
+      const uint4 t = __ldg(reinterpret_cast<const uint4*>(p));
+      w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
+    } else if constexpr (kBytes == 8) {
+      const uint2 t = __ldg(reinterpret_cast<const uint2*>(p));
+      w[0] = t.x; w[1] = t.y;
+    } else if constexpr (kBytes == 4) {
+      w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+    } else {
+      static_assert(kBytes == 2, "vector of 2, 4, 8 or 16 bytes");
+      w[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+    }
+  }
+
+  __device__ __forceinline__ void store(void* p) const {
+    if constexpr (kBytes == 16) {
+      *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else if constexpr (kBytes == 8) {
+      *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+    } else if constexpr (kBytes == 4) {
+      *reinterpret_cast<unsigned int*>(p) = w[0];
+    } else {
+      *reinterpret_cast<unsigned short*>(p) = (unsigned short)w[0];
+    }
+  }
+
+  __device__ __forceinline__ float get(int e) const {
+    if constexpr (Elem<DT>::kSize == 4) {
+      return Elem<DT>::to_float(w[e]);
+    } else {
+      return Elem<DT>::to_float(w[e >> 1] >> ((e & 1) * 16));
+    }
+  }
+
+  __device__ __forceinline__ void set(int e, float f) {
+    const unsigned int b = Elem<DT>::from_float(f);
+    if constexpr (Elem<DT>::kSize == 4) {
+      w[e] = b;
+    } else if (e & 1) {
+      w[e >> 1] = (w[e >> 1] & 0x0000ffffu) | (b << 16);
+    } else {
+      w[e >> 1] = (w[e >> 1] & 0xffff0000u) | b;
+    }
+  }
+};
+
+// ------------------------------------------------------------------ online softmax states
+// Merge weights of two (max, ...) states in base 2: a state with max -inf weighs 0, and two empty
+// states keep weight 1 (their sums are 0), so no NaN appears.
+__device__ __forceinline__ void merge_weights(float ma, float mb, float& mm, float& fa, float& fb) {
+  mm = fmaxf(ma, mb);
+  fa = ma == mm ? 1.f : exp2f(ma - mm);
+  fb = mb == mm ? 1.f : exp2f(mb - mm);
+}
+
+}  // namespace flashswitch
+
+#endif  // __CUDACC__ || __CUDACC_RTC__

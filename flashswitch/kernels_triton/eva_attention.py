@@ -1,0 +1,400 @@
+"""Op 2 forward in Triton: causal softmax attention over exact local keys plus the summaries of the
+chunks before the window (SPEC.md, op 2).
+
+Flash-attention style. A program owns a tile of BLOCK_M query rows of one (batch, head), or, with
+PACK_GQA, of one (batch, kv head): row r is then query r // G of query head hkv * G + r % G, so the
+G query heads sharing a kv head read each key tile once. For the rows of a tile the visible set is
+a union of two intervals, because start(t) is non-decreasing in t:
+
+    summaries  c in [0, min(start(t_max) / C, Nc))
+    exact keys j in [start(t_min), t_max]
+
+Both are walked in BLOCK_N steps, numbered as one list of key blocks (summary blocks first, then
+exact blocks counted from start(t_min)). Blocks that every row of the tile sees in full (summaries
+below start(t_min) / C, exact keys inside [start(t_max), t_min]) run without any mask; the few
+others compare positions per element. Fully invisible blocks are never visited, so the work is
+proportional to the visible pairs.
+
+With NUM_SPLITS > 1 (flash-decoding) the list of key blocks of each tile is cut into NUM_SPLITS
+contiguous pieces, one per program along grid axis 2. Each writes a normalised partial output and
+its log-normaliser (fp32) into scratch buffers; `_eva_combine` merges them by lse. A piece in which
+a row sees nothing writes o = 0, lse = -inf for that row.
+
+Softmax: fp32, base 2, with scale * log2(e) folded into the logits (and log2(e) into the summary
+bias); the per-row running max is clamped to 0 while it is still -inf so masked rows stay finite.
+lse is stored in natural log. fp32 inputs use IEEE dot products (no tf32).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from flashswitch.autotune import space
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+
+BIAS_NONE, BIAS_TENSOR, BIAS_LOG_COUNT = 0, 1, 2
+
+
+@triton.jit
+def _start(t, C, W, SLIDING: tl.constexpr):
+    """First exact key of position t (int tensor or scalar, t >= 0)."""
+    if SLIDING:
+        s = (tl.maximum(t - W + 1, 0) // C) * C
+    else:
+        s = (t // W) * W
+    return s
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+            e_lo, e_hi, origin, limit, lo_row, hi_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+            SUMMARY: tl.constexpr, MASK: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
+            DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Fold key blocks e in [e_lo, e_hi) (positions origin + e * BLOCK_N + [0, BLOCK_N)) into the
+    running softmax. MASK: row r sees position n iff lo_row[r] <= n <= hi_row[r], and only positions
+    below `limit` are read; without MASK every row sees the whole block."""
+    for e in range(e_lo, e_hi):
+        n0 = origin + e * BLOCK_N
+        n = n0 + offs_n
+        k_ptrs = k_base + n0.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
+        v_ptrs = v_base + n0.to(tl.int64) * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
+        if MASK:
+            if EVEN_D:
+                lmask = (n < limit)[:, None]
+            else:
+                lmask = (n < limit)[:, None] & mask_d[None, :]
+            k = tl.load(k_ptrs, mask=lmask, other=0.0)
+            v = tl.load(v_ptrs, mask=lmask, other=0.0)
+        else:
+            if EVEN_D:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale      # [BM, BN], base-2 logits
+        if SUMMARY:
+            if BIAS_MODE == 1:
+                if MASK:
+                    bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=n < limit, other=0.0)
+                else:
+                    bias = tl.load(bias_base + n.to(tl.int64) * stride_bc)
+                s += bias.to(tl.float32)[None, :] * 1.4426950408889634
+            elif BIAS_MODE == 2:
+                count = tl.minimum(C, Nk - n * C).to(tl.float32)            # tokens of chunk n
+                s += tl.log2(tl.maximum(count, 1.0))[None, :]
+        if MASK:
+            vis = (n[None, :] >= lo_row[:, None]) & (n[None, :] <= hi_row[:, None])
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _eva_fwd(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bias_ptr, o_ptr, lse_ptr,
+    H, Hkv, G, Nq, Nk, Nc, D, C, W, q_offset, rows, n_row_blocks, NUM_SPLITS,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vsb, stride_vsh, stride_vsn,
+    stride_bb, stride_bh, stride_bc,
+    stride_os, stride_ob, stride_oh, stride_om,
+    stride_ls, stride_lb, stride_lh, stride_lm,
+    qk_scale,
+    SLIDING: tl.constexpr, PACK_GQA: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = n_row_blocks - 1 - tl.program_id(0)     # the longest rows first
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    if PACK_GQA:
+        b = pid_bh // Hkv
+        hkv = pid_bh % Hkv
+        GP = G
+    else:
+        b = pid_bh // H
+        hkv = (pid_bh % H) // G
+        GP = 1
+    b = b.to(tl.int64)
+    hkv = hkv.to(tl.int64)
+
+    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    row_ok = offs_r < rows
+    if PACK_GQA:
+        i_row = offs_r // G
+        h_row = hkv * G + offs_r % G
+    else:
+        i_row = offs_r
+        h_row = tl.zeros([BLOCK_M], dtype=tl.int64) + (pid_bh % H)
+    t_row = q_offset + i_row
+    st_row = _start(t_row, C, W, SLIDING)
+    sc_row = tl.minimum(st_row // C, Nc)                    # summaries [0, sc_row) are visible
+
+    r_first = pid_m * BLOCK_M
+    r_last = tl.minimum(r_first + BLOCK_M, rows) - 1
+    t_min = q_offset + r_first // GP
+    t_max = q_offset + r_last // GP
+    st_min = _start(t_min, C, W, SLIDING)
+    st_max = _start(t_max, C, W, SLIDING)
+
+    # key blocks: summaries [0, nb_s) (no mask below nb_s_full), then exact keys from st_min:
+    # [0, e_a) masked, [e_a, e_b) unmasked, [e_b, nb_e) masked
+    c_full = tl.minimum(st_min // C, Nc)
+    c_hi = tl.minimum(st_max // C, Nc)
+    nb_s_full = c_full // BLOCK_N
+    nb_s = tl.cdiv(c_hi, BLOCK_N)
+    nb_e = tl.cdiv(t_max + 1 - st_min, BLOCK_N)
+    e_a = tl.cdiv(st_max - st_min, BLOCK_N)
+    e_b = tl.maximum(e_a, (t_min + 1 - st_min) // BLOCK_N)
+    nb = nb_s + nb_e
+    blk_lo = (pid_s * nb) // NUM_SPLITS
+    blk_hi = ((pid_s + 1) * nb) // NUM_SPLITS
+
+    row_off_q = h_row.to(tl.int64) * stride_qh + i_row.to(tl.int64) * stride_qm
+    q_ptrs = q_ptr + b * stride_qb + row_off_q[:, None] + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+
+    k_base = k_ptr + b * stride_kb + hkv * stride_kh
+    v_base = v_ptr + b * stride_vb + hkv * stride_vh
+    ks_base = ks_ptr + b * stride_ksb + hkv * stride_ksh
+    vs_base = vs_ptr + b * stride_vsb + hkv * stride_vsh
+    bias_base = bias_ptr + b * stride_bb + hkv * stride_bh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    zero_row = tl.zeros([BLOCK_M], dtype=tl.int32)
+
+    # summaries every row sees
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
+                            tl.maximum(blk_lo, 0), tl.minimum(nb_s_full, blk_hi), 0, Nc,
+                            zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                            True, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+    # summaries only some rows see
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
+                            tl.maximum(blk_lo, nb_s_full), tl.minimum(nb_s, blk_hi), 0, Nc,
+                            zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                            True, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+    # exact keys below start(t_max)
+    lo_e = blk_lo - nb_s
+    hi_e = blk_hi - nb_s
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                            tl.maximum(lo_e, 0), tl.minimum(e_a, hi_e), st_min, Nk,
+                            st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                            False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+    # exact keys every row sees
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                            tl.maximum(lo_e, e_a), tl.minimum(e_b, hi_e), st_min, Nk,
+                            st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                            False, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+    # exact keys past t_min (the causal diagonal)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                            tl.maximum(lo_e, e_b), tl.minimum(nb_e, hi_e), st_min, Nk,
+                            st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                            False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+
+    split = pid_s.to(tl.int64)
+    row_off_o = h_row.to(tl.int64) * stride_oh + i_row.to(tl.int64) * stride_om
+    o_ptrs = o_ptr + split * stride_os + b * stride_ob + row_off_o[:, None] + offs_d[None, :]
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+    row_off_l = h_row.to(tl.int64) * stride_lh + i_row.to(tl.int64) * stride_lm
+    tl.store(lse_ptr + split * stride_ls + b * stride_lb + row_off_l, lse, mask=row_ok)
+
+
+@triton.jit
+def _eva_combine(
+    op_ptr, lp_ptr, o_ptr, lse_ptr,
+    R, H, Nq, D, NUM_SPLITS,
+    stride_ps, stride_ls,
+    stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge NUM_SPLITS partial (o, lse) of rows r = (b * H + h) * Nq + i (scratch rows of D values)."""
+    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_r < R
+    mask = row_ok[:, None] & (offs_d < D)[None, :]
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    lp_ptrs = lp_ptr + offs_r
+    op_ptrs = op_ptr + offs_r[:, None] * D + offs_d[None, :]
+    for _ in range(0, NUM_SPLITS):
+        ls = tl.load(lp_ptrs, mask=row_ok, other=float("-inf"))
+        os_ = tl.load(op_ptrs, mask=mask, other=0.0)
+        lp_ptrs += stride_ls
+        op_ptrs += stride_ps
+        m_new = tl.maximum(m, ls)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        w = tl.exp(ls - m_use)
+        den = den * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * os_
+        m = m_new
+    seen = den > 0.0
+    den_safe = tl.where(seen, den, 1.0)
+    o = acc / den_safe[:, None]
+    lse = tl.where(seen, m + tl.log(den_safe), float("-inf"))
+    i = offs_r % Nq
+    bh = offs_r // Nq
+    b = bh // H
+    h = bh % H
+    o_off = b * stride_ob + h * stride_oh + i * stride_om
+    tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + i * stride_lm, lse, mask=row_ok)
+
+
+# ---------------------------------------------------------------- launcher
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a small number still exercises the split path
+
+
+def auto_splits(programs: int, n_blocks: int, sms: int, max_splits: int = 128) -> int:
+    """Number of key-range splits that best fills `sms` multiprocessors (FlashAttention-2's rule):
+    none when the grid already covers 80% of them; else the smallest count within 85% of the best
+    wave efficiency, with at least one key block per split."""
+    if programs <= 0 or programs >= 0.8 * sms or n_blocks <= 1:
+        return 1
+    limit = max(1, min(max_splits, n_blocks, sms))
+    eff = []
+    for s in range(1, limit + 1):
+        waves = programs * s / sms
+        eff.append(waves / math.ceil(waves))
+    best = max(eff)
+    for s, e in enumerate(eff, start=1):
+        if e >= 0.85 * best:
+            return s
+    return 1
+
+
+def _visible_blocks(t: int, C: int, W: int, sliding: bool, Nc: int, block_n: int) -> int:
+    start = (max(t - W + 1, 0) // C) * C if sliding else (t // W) * W
+    return -(-min(start // C, Nc) // block_n) + -(-(W + C) // block_n)
+
+
+def plan(q, k, k_sum, *, chunk_size, window_size, sliding, q_offset, config):
+    """The launch geometry for a problem: dict with BLOCK_M, BLOCK_N, BLOCK_D, PACK_GQA, NUM_SPLITS,
+    num_warps, num_stages (missing config keys take the heuristic default of autotune.space)."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
+    G = H // Hkv
+    cfg = dict(config or {})
+    needed = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    if any(key not in cfg for key in needed):
+        feats = {"dtype": {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(q.dtype, "fp32"), "D": D,
+                 "C": chunk_size, "W": window_size, "window": "sliding" if sliding else "block",
+                 "decode": Nq <= 16}
+        cfg = {**space.default_config("eva_attention", "triton", feats), **cfg}
+    pack = bool(cfg.get("PACK_GQA", G > 1))
+    rows = Nq * G if pack else Nq
+    block_m = int(cfg["BLOCK_M"])
+    block_n = int(cfg["BLOCK_N"])
+    for name, val in (("BLOCK_M", block_m), ("BLOCK_N", block_n)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"config {name} must be a power of two >= 16, got {val}")
+    block_m = min(block_m, max(16, space.next_pow2(rows)))
+    block_d = max(16, space.next_pow2(D))
+    n_row_blocks = triton.cdiv(rows, block_m)
+    programs = n_row_blocks * B * (Hkv if pack else H)
+    splits = int(cfg.get("NUM_SPLITS", 0 if Nq <= 16 else 1))
+    if splits <= 0:
+        t_last = q_offset + Nq - 1
+        n_blocks = _visible_blocks(t_last, chunk_size, window_size, sliding, Nc, block_n)
+        splits = auto_splits(programs, n_blocks, _sm_count(q.device))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PACK_GQA=pack, NUM_SPLITS=splits,
+                rows=rows, n_row_blocks=n_row_blocks, num_warps=int(cfg["num_warps"]),
+                num_stages=int(cfg["num_stages"]))
+
+
+def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sliding, scale, q_offset,
+           log_count, config):
+    """Fill o ([B, H, Nq, D], q's dtype) and lse (fp32 [B, H, Nq], natural log).
+
+    q: [B, H, Nq, D]; k, v: [B, Hkv, Nk, D]; k_sum, v_sum: [B, Hkv, Nc, D]; any strides with a unit
+    last stride. bias: None or a [B, Hkv, Nc] tensor (any strides, read as fp32). log_count: use
+    log n_c as the summary bias. Query i sits at position q_offset + i, with q_offset + Nq <= Nk.
+    config: BLOCK_M, BLOCK_N, num_warps, num_stages, optional NUM_SPLITS (0: automatic; default 0
+    for Nq <= 16, else 1) and PACK_GQA (default: when H > Hkv).
+    """
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
+    if B * H * Nq == 0:
+        return
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"q has head dim {D}; the triton backend supports D <= {MAX_HEAD_DIM}")
+    C, W = int(chunk_size), int(window_size)
+    q_offset = int(q_offset)
+    G = H // Hkv
+    geo = plan(q, k, k_sum, chunk_size=C, window_size=W, sliding=sliding, q_offset=q_offset, config=config)
+    splits = geo["NUM_SPLITS"]
+
+    if bias is not None:
+        bias_mode, bias_t, sb = BIAS_TENSOR, bias, bias.stride()
+    else:
+        bias_mode, bias_t, sb = (BIAS_LOG_COUNT if log_count else BIAS_NONE), q, (0, 0, 0)
+
+    if splits > 1:
+        o_dst = torch.empty((splits, B, H, Nq, D), dtype=torch.float32, device=q.device)
+        l_dst = torch.empty((splits, B, H, Nq), dtype=torch.float32, device=q.device)
+        so = o_dst.stride()
+        sl = l_dst.stride()
+    else:
+        o_dst, l_dst = o, lse
+        so = (0,) + o.stride()[:3]
+        sl = (0,) + lse.stride()
+
+    grid = (geo["n_row_blocks"], B * (Hkv if geo["PACK_GQA"] else H), splits)
+    _eva_fwd[grid](
+        q, k, v, k_sum, v_sum, bias_t, o_dst, l_dst,
+        H, Hkv, G, Nq, Nk, Nc, D, C, W, q_offset, geo["rows"], geo["n_row_blocks"], splits,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        k_sum.stride(0), k_sum.stride(1), k_sum.stride(2),
+        v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
+        sb[0], sb[1], sb[2],
+        so[0], so[1], so[2], so[3],
+        sl[0], sl[1], sl[2], sl[3],
+        float(scale) * LOG2E,
+        SLIDING=bool(sliding), PACK_GQA=geo["PACK_GQA"], BIAS_MODE=bias_mode, EVEN_D=D == geo["BLOCK_D"],
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"], BLOCK_D=geo["BLOCK_D"],
+        num_warps=geo["num_warps"], num_stages=geo["num_stages"],
+    )
+    if splits > 1:
+        R = B * H * Nq
+        block_d = geo["BLOCK_D"]
+        block_r = max(1, min(64, 4096 // block_d))
+        _eva_combine[(triton.cdiv(R, block_r),)](
+            o_dst, l_dst, o, lse, R, H, Nq, D, splits,
+            o_dst.stride(0), l_dst.stride(0),
+            o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+        )

@@ -1,0 +1,265 @@
+"""Triton forward kernels of op 3: gather -> per-expert GEMM -> scatter over expert-sorted pairs.
+
+One program computes a [BLOCK_M, BLOCK_N] tile of the per-pair products for BLOCK_M consecutive
+pairs of the expert-sorted list (a *row tile*) and BLOCK_N output features. Row tiles never
+straddle two experts: expert e owns ceil(n_e / BLOCK_M) tiles, and each program finds its expert
+and first row from the route's offsets [E+1] on the device (no host sync, no extra launch). The
+grid is sized on the host from sizes only, `ceil(P / BLOCK_M) + min(E, P)` row tiles (an upper
+bound of Σ_e ceil(n_e / BLOCK_M)); programs past the last tile exit at once.
+
+Per tile: gather the A rows x[t, s // (S / G_in)] of its pairs, stream the B tile of weight[e]
+(cast to x's dtype in registers when weight is fp32 master weights), `tl.dot` with fp32
+accumulation (ieee for fp32 inputs), scale each row by its gate, then
+
+- G_out == S: store row (t, s) of y directly (each output row has exactly one pair);
+- G_out < S (default): fp32 atomic adds into a zeroed fp32 accumulator [T, G_out, d_out], cast once
+  into y (y itself when x is fp32);
+- G_out < S, deterministic: store each pair's fp32 row into a scratch [T, S, d_out], then a second
+  kernel sums each group's slots in slot order.
+
+The atomic path is the default: the deterministic path writes and reads back S·d_out fp32 values per
+token in memory (S / G_out times the accumulator, for SwitchHead O and σ-MoE down 8x: ~1 GB per
+16k-token step), while the atomics land in an accumulator S / G_out times smaller that the tile
+schedule below keeps mostly in L2.
+
+Tile schedule (config knobs):
+- `GROUP_N`: programs are ordered (group of GROUP_N column tiles, row tile, column tile in group).
+  GROUP_N = all column tiles makes the column tiles of one row tile neighbours (the gathered A rows
+  are read from L2); a small GROUP_N sweeps all row tiles for a slice of columns first, so the
+  atomically updated accumulator slice [T, G_out, GROUP_N·BLOCK_N] stays in L2.
+- `INTERLEAVE`: row tiles ordered by (tile index within expert, expert) instead of (expert, tile).
+  Within an expert the pairs are in token order, so tile j of every expert covers about the same
+  token range: concurrently running tiles then touch a narrow window of x and of the outputs. Good
+  for few experts with many pairs each (SwitchHead) when all weights fit in L2; bad for many experts
+  (σ-MoE), whose weight tiles are better reused by an expert's tiles running side by side.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashswitch.autotune import space
+
+MAX_INTERLEAVE_E = 1024  # the interleaved schedule keeps all experts' tile counts in registers
+MAX_BLOCK_E = 1024       # experts scanned per step when a program looks for its tile
+
+
+@triton.jit
+def _tile_of(off_ptr, E, pid_m, n_iter, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+             INTERLEAVE: tl.constexpr):
+    """(expert, first row, end row) of row tile `pid_m`; expert == E when there is no such tile."""
+    zero = pid_m * 0
+    if INTERLEAVE:
+        j = tl.arange(0, BLOCK_E)
+        mj = j < E
+        lo = tl.load(off_ptr + j, mask=mj, other=0).to(tl.int32)
+        hi = tl.load(off_ptr + j + 1, mask=mj, other=0).to(tl.int32)
+        nt = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        total = tl.sum(nt, 0)
+        # level L = the largest tile index with base(L) = Σ_e min(nt_e, L) <= pid_m
+        lvl_lo = zero
+        lvl_hi = tl.maximum(tl.max(nt, 0) - 1, 0)
+        for _ in range(n_iter):
+            mid = (lvl_lo + lvl_hi + 1) // 2
+            ok = tl.sum(tl.minimum(nt, mid), 0) <= pid_m
+            lvl_lo = tl.where(ok, mid, lvl_lo)
+            lvl_hi = tl.where(ok, lvl_hi, mid - 1)
+        base = tl.sum(tl.minimum(nt, lvl_lo), 0)
+        active = ((nt > lvl_lo) & mj).to(tl.int32)
+        rank = tl.cumsum(active, 0)
+        e = tl.sum(((rank <= pid_m - base) & mj).to(tl.int32), 0)
+        e = tl.where(pid_m < total, e, E)
+        row0 = tl.sum(tl.where(j == e, lo, 0), 0) + lvl_lo * BLOCK_M
+        row_end = tl.sum(tl.where(j == e, hi, 0), 0)
+    else:
+        carry = zero
+        e = zero
+        first_tile = zero
+        row_lo = tl.load(off_ptr).to(tl.int32)
+        row_end = tl.load(off_ptr + E).to(tl.int32)
+        for c in range(0, E, BLOCK_E):
+            j = c + tl.arange(0, BLOCK_E)
+            mj = j < E
+            lo = tl.load(off_ptr + j, mask=mj, other=0).to(tl.int32)
+            hi = tl.load(off_ptr + j + 1, mask=mj, other=0).to(tl.int32)
+            nt = (hi - lo + BLOCK_M - 1) // BLOCK_M
+            cum = tl.cumsum(nt, 0) + carry          # tiles of experts <= j
+            done = (cum <= pid_m) & mj              # experts whose tiles all come before pid_m
+            e += tl.sum(done.to(tl.int32), 0)
+            first_tile = tl.maximum(first_tile, tl.max(tl.where(done, cum, 0), 0))
+            row_lo = tl.maximum(row_lo, tl.max(tl.where(done, hi, 0), 0))
+            row_end = tl.minimum(row_end, tl.min(tl.where(mj & (cum > pid_m), hi, 2147483647), 0))
+            carry += tl.sum(nt, 0)
+        row0 = row_lo + (pid_m - first_tile) * BLOCK_M
+    return e, row0, row_end
+
+
+@triton.jit
+def _expert_matmul_fwd(
+    x_ptr, w_ptr, g_ptr, tok_ptr, slot_ptr, off_ptr, out_ptr,
+    E, d_in, d_out, spg_in, spg_out,
+    stride_xt, stride_xg,
+    stride_we, stride_wk, stride_wn,
+    stride_gt, stride_gs,
+    stride_ot, stride_og,
+    grid_m, n_tiles_n, group_n, n_iter,
+    ATOMIC: tl.constexpr, HAS_GATES: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERLEAVE: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    per_group = group_n * grid_m
+    group = pid // per_group
+    first_n = group * group_n
+    gn = tl.minimum(n_tiles_n - first_n, group_n)
+    local = pid - group * per_group
+    pid_m = local // gn
+    pid_n = first_n + local % gn
+
+    e, row0, row_end = _tile_of(off_ptr, E, pid_m, n_iter, BLOCK_M, BLOCK_E, INTERLEAVE)
+    if e >= E:
+        return
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    slt = tl.load(slot_ptr + rows, mask=rmask, other=0)
+    x_row = tok * stride_xt + (slt // spg_in).to(tl.int64) * stride_xg
+
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < d_out
+    a_ptrs = x_ptr + x_row[:, None] + offs_k[None, :]
+    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, d_in, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = (offs_k + k) < d_in
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wk
+
+    if HAS_GATES:
+        g = tl.load(g_ptr + tok * stride_gt + slt * stride_gs, mask=rmask, other=0.0).to(tl.float32)
+        acc = acc * g[:, None]
+    o_ptrs = out_ptr + (tok * stride_ot + (slt // spg_out).to(tl.int64) * stride_og)[:, None] + offs_n[None, :]
+    omask = rmask[:, None] & nmask[None, :]
+    if ATOMIC:
+        tl.atomic_add(o_ptrs, acc, mask=omask, sem="relaxed")
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _group_sum(src_ptr, y_ptr, R, d_out, spg, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[r] = Σ_{j < spg} src[r·spg + j] in order j = 0, 1, ... (rows of d_out; both contiguous)."""
+    pid_r = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (r < R)[:, None] & (n < d_out)[None, :]
+    src = src_ptr + (r.to(tl.int64) * spg * d_out)[:, None] + n[None, :]
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for _ in range(spg):
+        acc += tl.load(src, mask=mask, other=0.0)
+        src += d_out
+    tl.store(y_ptr + (r.to(tl.int64) * d_out)[:, None] + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_N", "INTERLEAVE", "num_warps", "num_stages")
+
+
+def _pow2(name: str, v, lo: int = 16) -> int:
+    v = int(v)
+    if v < lo or v & (v - 1):
+        raise ValueError(f"config {name} must be a power of two >= {lo}, got {v}")
+    return v
+
+
+def _config(config, x3, weight, S, G_out, deterministic) -> dict:
+    cfg = dict(config or {})
+    if any(k not in cfg for k in _KEYS):
+        T, G_in, d_in = x3.shape
+        E, _, d_out = weight.shape
+        names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+        feats = space.features("expert_matmul", dtype=names[x3.dtype], wdtype=names[weight.dtype], d_in=d_in,
+                               d_out=d_out, E=E, S=S, G_in=G_in, G_out=G_out, tokens=T,
+                               deterministic=bool(deterministic))
+        cfg = {**space.default_config("expert_matmul", "triton", feats), **cfg}
+    return cfg
+
+
+def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
+    """Fill y [T, G_out, d_out] (contiguous, x's dtype).
+
+    x3: [T, G_in, d_in] with a unit last stride. weight: [E, d_in, d_out], any strides, x's dtype or
+    fp32. gates: None or [T, S] (any float dtype, any strides). route: a `Route` (token, slot int32
+    [P]; offsets int64 [E+1]). config: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, INTERLEAVE, num_warps,
+    num_stages (missing keys take the heuristic default).
+    """
+    T, _, d_in = x3.shape
+    E, _, d_out = weight.shape
+    S = route.S
+    P = T * S
+    if y.numel() == 0:
+        return
+    if d_in == 0:
+        y.zero_()
+        return
+    cfg = _config(config, x3, weight, S, G_out, deterministic)
+    BM = _pow2("BLOCK_M", cfg["BLOCK_M"])
+    BN = _pow2("BLOCK_N", cfg["BLOCK_N"])
+    BK = _pow2("BLOCK_K", cfg["BLOCK_K"])
+    n_tiles_n = triton.cdiv(d_out, BN)
+    group_n = max(1, min(int(cfg["GROUP_N"]), n_tiles_n))
+    interleave = bool(cfg["INTERLEAVE"]) and E <= MAX_INTERLEAVE_E
+    block_e = max(16, triton.next_power_of_2(E))
+    if not interleave:
+        block_e = min(block_e, MAX_BLOCK_E)
+    grid_m = triton.cdiv(P, BM) + min(E, P)
+    n_iter = triton.cdiv(P, BM).bit_length() + 1
+
+    scratch = None
+    if G_out == S:  # one pair per output row: store straight into y
+        target, atomic, spg_out = y, False, 1
+    elif deterministic:  # per-pair fp32 rows, summed in slot order by a second kernel
+        scratch = torch.empty((T, S, d_out), dtype=torch.float32, device=y.device)
+        target, atomic, spg_out = scratch, False, 1
+    else:
+        target = y.zero_() if y.dtype == torch.float32 else torch.zeros(y.shape, dtype=torch.float32,
+                                                                          device=y.device)
+        atomic, spg_out = True, S // G_out
+
+    has_gates = gates is not None
+    g = gates if has_gates else x3
+    sg = gates.stride() if has_gates else (0, 0)
+    dot_precision = "ieee" if x3.dtype == torch.float32 else "tf32"
+    sw = weight.stride()
+    grid = (grid_m * n_tiles_n,)
+    _expert_matmul_fwd[grid](
+        x3, weight, g, route.token, route.slot, route.offsets, target,
+        E, d_in, d_out, S // G_in, spg_out,
+        x3.stride(0), x3.stride(1),
+        sw[0], sw[1], sw[2],
+        sg[0], sg[1],
+        target.stride(0), target.stride(1),
+        grid_m, n_tiles_n, group_n, n_iter,
+        ATOMIC=atomic, HAS_GATES=has_gates, DOT_PRECISION=dot_precision, INTERLEAVE=interleave,
+        EVEN_K=d_in % BK == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_E=block_e,
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+    )
+    if scratch is not None:
+        R = T * G_out
+        BLOCK_N = min(128, max(16, triton.next_power_of_2(d_out)))
+        BLOCK_R = max(1, 4096 // BLOCK_N)
+        _group_sum[(triton.cdiv(R, BLOCK_R), triton.cdiv(d_out, BLOCK_N))](
+            scratch, y, R, d_out, S // G_out, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=4)
+    elif atomic and target is not y:
+        y.copy_(target)

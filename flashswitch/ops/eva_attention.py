@@ -1,0 +1,171 @@
+"""Op 2: causal EVA attention (softmax over exact local keys + summaries of the chunks before the window).
+
+validate -> normalize -> pick backend -> torch.library op. The only module that knows every backend
+of this op. SPEC.md, "Op 2", defines the math.
+
+Summaries: `k_sum, v_sum` may hold any number Nc >= 0 of chunks (usually ceil(Nk / C), from op 1).
+A query at position t sees summaries c in [0, start(t) / C) ∩ [0, Nc): chunks past the last stored
+summary are simply absent (a shorter list is not padded, a longer one is not an error).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flashswitch import _common as C
+from flashswitch.autotune import space, store
+
+OP = "eva_attention"
+WINDOWS = ("block", "sliding")
+BIAS_DTYPES = C.FLOAT_DTYPES + (torch.float64,)
+
+
+def _features(q: torch.Tensor, k: torch.Tensor, chunk_size: int, window_size: int, window: str) -> dict:
+    B, H, Nq, D = q.shape
+    return space.features(OP, dtype=C.DTYPE_NAMES[q.dtype], D=D, C=chunk_size, W=window_size, window=window,
+                          decode=Nq <= 16, rows=B * H * Nq, keys=k.shape[2])
+
+
+def _run_backend(backend: str, q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset,
+                 log_count, config=None):
+    B, H, Nq, D = q.shape
+    o = C.new_output((B, H, Nq, D), q.dtype, q.device)
+    lse = C.new_output((B, H, Nq), torch.float32, q.device)
+    if B * H * Nq == 0:
+        return o, lse
+    if config is None:
+        config = store.lookup(OP, backend, _features(q, k, chunk_size, window_size, window))
+    if backend == "triton":
+        from flashswitch.kernels_triton.eva_attention import launch
+    elif backend == "cuda":
+        from flashswitch.bindings.cuda import eva_attention as launch
+    elif backend == "cupy":
+        from flashswitch.bindings.cupy import eva_attention as launch
+    else:
+        raise ValueError(f"unknown kernel backend {backend!r}")
+    launch(q, k, v, k_sum, v_sum, bias, o, lse, chunk_size=chunk_size, window_size=window_size,
+           sliding=window == "sliding", scale=scale, q_offset=q_offset, log_count=log_count, config=config)
+    return o, lse
+
+
+@torch.library.custom_op("flashswitch::eva_attention", mutates_args=())
+def _eva_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torch.Tensor,
+                      v_sum: torch.Tensor, bias: Optional[torch.Tensor], chunk_size: int, window_size: int,
+                      window: str, scale: float, q_offset: int, log_count: bool,
+                      backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_backend(backend, q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset,
+                        log_count)
+
+
+@_eva_attention_op.register_fake
+def _(q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset, log_count, backend):
+    B, H, Nq, D = q.shape
+    return q.new_empty((B, H, Nq, D)), q.new_empty((B, H, Nq), dtype=torch.float32)
+
+
+def _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset):
+    """Check every argument; returns (scale, q_offset, bias tensor or None, log_count)."""
+    C.check_tensor("q", q, ndim=4)
+    for name, t in (("k", k), ("v", v), ("k_sum", k_sum), ("v_sum", v_sum)):
+        C.check_tensor(name, t, ndim=4, device=q.device)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    C.check_shape("k", k, (B, Hkv, Nk, D))
+    C.check_shape("v", v, k.shape)
+    if Hkv == 0 and H != 0 or Hkv != 0 and H % Hkv:
+        raise ValueError(f"q has {H} heads and k has {Hkv}: the query heads must be a multiple of the kv heads "
+                         f"(H % Hkv == 0)")
+    Nc = k_sum.shape[2]
+    C.check_shape("k_sum", k_sum, (B, Hkv, Nc, D))
+    C.check_shape("v_sum", v_sum, k_sum.shape)
+    C.check_positive_int("chunk_size", chunk_size)
+    C.check_positive_int("window_size", window_size)
+    if window_size % chunk_size:
+        raise ValueError(f"window_size must be a multiple of chunk_size, got window_size={window_size}, "
+                         f"chunk_size={chunk_size}")
+    if not isinstance(window, str) or window not in WINDOWS:
+        raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
+    if q_offset is None:
+        q_offset = Nk - Nq
+        if q_offset < 0:
+            raise ValueError(f"q has {Nq} queries but there are only {Nk} keys; pass q_offset or more keys "
+                             f"(query i sits at position q_offset + i and must see key q_offset + i)")
+    else:
+        if isinstance(q_offset, bool) or not isinstance(q_offset, int):
+            raise TypeError(f"q_offset must be an int or None, got {type(q_offset).__name__}")
+        if q_offset < 0 or q_offset + Nq > Nk:
+            raise ValueError(f"q_offset must satisfy 0 <= q_offset and q_offset + Nq <= Nk (every query sees "
+                             f"its own key), got q_offset={q_offset}, Nq={Nq}, Nk={Nk}")
+    bias, log_count = None, False
+    if summary_bias is None:
+        pass
+    elif isinstance(summary_bias, str):
+        if summary_bias != "log_count":
+            raise ValueError(f"summary_bias must be None, 'log_count' or a [B, Hkv, Nc] tensor, "
+                             f"got {summary_bias!r}")
+        log_count = True
+    elif isinstance(summary_bias, torch.Tensor):
+        C.check_tensor("summary_bias", summary_bias, ndim=3, dtypes=BIAS_DTYPES, device=q.device,
+                       last_contiguous=False)
+        C.check_shape("summary_bias", summary_bias, (B, Hkv, Nc))
+        bias = summary_bias
+    else:
+        raise TypeError(f"summary_bias must be None, 'log_count' or a tensor, got {type(summary_bias).__name__}")
+    return C.check_scale(scale, D), q_offset, bias, log_count
+
+
+def _kernel_bias(bias):
+    """Kernels read a tensor bias as fp32 (any strides)."""
+    return None if bias is None else bias.to(torch.float32)
+
+
+def problem_features(q, k, v, k_sum, v_sum, chunk_size, window_size, window="block", scale=None,
+                     summary_bias=None, q_offset=None, return_lse=False) -> dict:
+    """The autotune bucket of a problem (keyword arguments as `eva_attention` takes them)."""
+    return _features(q, k, chunk_size, window_size, window)
+
+
+def run_kernel(backend: str, config: dict, q, k, v, k_sum, v_sum, chunk_size, window_size, window="block",
+               scale=None, summary_bias=None, q_offset=None, return_lse=False):
+    """One kernel call with an explicit config, for the tuner and the benchmarks: (o, lse)."""
+    scale, q_offset, bias, log_count = _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
+                                                 summary_bias, q_offset)
+    return _run_backend(backend, q, k, v, k_sum, v_sum, _kernel_bias(bias), chunk_size, window_size, window,
+                        scale, q_offset, log_count, config)
+
+
+def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torch.Tensor, v_sum: torch.Tensor,
+                  *, chunk_size: int, window_size: int, window: str = "block", scale: Optional[float] = None,
+                  summary_bias=None, q_offset: Optional[int] = None, return_lse: bool = False,
+                  backend: str = "auto"):
+    """Causal EVA attention (SPEC.md, op 2): softmax attention of each query over the exact keys of its
+    window and the summaries (k_sum, v_sum) of the chunks before it.
+
+    q: [B, H, Nq, D]; k, v: [B, Hkv, Nk, D] with H % Hkv == 0 (query head h reads kv head
+    h // (H // Hkv)); k_sum, v_sum: [B, Hkv, Nc, D] (any Nc; summaries past Nc are absent).
+    window: "block" (start(t) = W floor(t / W)) or "sliding" (start(t) = C floor((t - W + 1) / C),
+    0 while t < W); window_size W must be a multiple of chunk_size C. q_offset: position of q[:, :, 0]
+    (default Nk - Nq), with q_offset + Nq <= Nk. summary_bias: None, "log_count" (log of each chunk's
+    token count) or a [B, Hkv, Nc] tensor added to the summary logits. Returns o [B, H, Nq, D] in q's
+    dtype, plus the fp32 natural-log normaliser lse [B, H, Nq] when `return_lse`. `backend` is
+    "auto", "reference", "triton", "cuda" or "cupy".
+    """
+    scale, q_offset, bias, log_count = _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
+                                                 summary_bias, q_offset)
+    bucket = _features(q, k, chunk_size, window_size, window) if q.is_cuda else None
+    backend = C.resolve_backend(OP, backend, q.device, bucket)
+    if backend == "reference":
+        from flashswitch.reference.eva_attention import torch_eva_attention
+        out = torch_eva_attention(q, k, v, k_sum, v_sum, chunk_size=chunk_size, window_size=window_size,
+                                  window=window, scale=scale, summary_bias=summary_bias, q_offset=q_offset,
+                                  return_lse=True)
+    else:
+        out = _eva_attention_op(q, k, v, k_sum, v_sum, _kernel_bias(bias), chunk_size, window_size, window, scale,
+                                q_offset, log_count, backend)
+    return tuple(out) if return_lse else out[0]
+
+
+__all__ = ["eva_attention"]

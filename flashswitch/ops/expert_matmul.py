@@ -1,0 +1,265 @@
+"""Op 3: routing (`route`) and the grouped expert matmul (`expert_matmul`).
+
+`route` sorts the (token, slot) pairs of a routing decision by expert on the device, with no host
+synchronisation (optional range check aside); `expert_matmul` runs the gather -> per-expert GEMM ->
+scatter over a `Route`. The only module that knows every backend of this op. SPEC.md, "Op 3",
+defines the math.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from flashswitch import _common as C
+from flashswitch.autotune import space, store
+
+OP = "expert_matmul"
+INDEX_DTYPES = (torch.int32, torch.int64)
+_MAX_PAIRS = 2 ** 31 - 1
+
+
+# ---------------------------------------------------------------- routing
+@dataclass(frozen=True, eq=False)
+class Route:
+    """The pairs p = (t, s) of an `expert_idx` [T, S], stably sorted by expert (ties keep p = t·S + s order).
+
+    Tensors (all on expert_idx's device, computed without a host sync):
+    - `token`, `slot`: int32 [P] (P = T·S): the token and slot of the i-th pair in expert order.
+      Within one expert the pairs are in increasing (t, s) order.
+    - `offsets`: int64 [E+1]: expert e owns sorted positions [offsets[e], offsets[e+1]).
+    - `expert_idx`: the [T, S] tensor the route was built from (the reference backend reads it;
+      None in routes rebuilt from the sorted tensors alone).
+    Sizes: `T`, `S`, `E` (= num_experts).
+
+    The backward pass needs `token`, `slot` and `offsets` (d weight[e] = Σ over expert e's rows of
+    x_rowᵀ·dy_row, exactly zero for an empty expert; d x and d gates gather the same rows) and
+    `position` (the inverse permutation: sorted position of pair t·S + s), computed lazily.
+    """
+    token: torch.Tensor
+    slot: torch.Tensor
+    offsets: torch.Tensor
+    expert_idx: Optional[torch.Tensor]
+    T: int
+    S: int
+    E: int
+
+    @property
+    def num_pairs(self) -> int:
+        return self.T * self.S
+
+    @property
+    def device(self) -> torch.device:
+        return self.offsets.device
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """int64 [E]: pairs per expert (device tensor, no sync)."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @functools.cached_property
+    def position(self) -> torch.Tensor:
+        """int32 [T·S]: the sorted position of pair p = t·S + s (device, no sync)."""
+        P = self.num_pairs
+        pos = torch.empty(P, dtype=torch.int32, device=self.device)
+        pair = self.token.to(torch.int64) * self.S + self.slot.to(torch.int64)
+        pos[pair] = torch.arange(P, dtype=torch.int32, device=self.device)
+        return pos
+
+
+def _sort_key_dtype(E: int) -> torch.dtype:
+    """The narrowest signed dtype holding [0, E]: fewer radix passes in the device sort."""
+    if E + 1 <= torch.iinfo(torch.int16).max:
+        return torch.int16
+    return torch.int32
+
+
+def route(expert_idx: torch.Tensor, num_experts: int, *, check: bool = True) -> Route:
+    """Sort the routed (token, slot) pairs of `expert_idx` [T, S] (int32/int64, values in [0, E)) by expert.
+
+    Runs on expert_idx's device with no host synchronisation, except the range check of
+    `check=True` (one sync; raises ValueError when an id is outside [0, num_experts)). Pass
+    `check=False` inside CUDA-graph capture: out-of-range ids are then dropped from the route
+    (pairs below 0 or at/above E belong to no expert) and their outputs are unspecified.
+    """
+    if not isinstance(expert_idx, torch.Tensor):
+        raise TypeError(f"expert_idx must be a torch.Tensor, got {type(expert_idx).__name__}")
+    if expert_idx.dtype not in INDEX_DTYPES:
+        raise TypeError(f"expert_idx has dtype {expert_idx.dtype}; expected int32 or int64")
+    if expert_idx.dim() != 2:
+        raise ValueError(f"expert_idx must be [T, S] (2 dims), got shape {tuple(expert_idx.shape)}")
+    E = C.check_positive_int("num_experts", num_experts)
+    if E >= 2 ** 31 - 1:
+        raise ValueError(f"num_experts must be < 2**31 - 1, got {E}")
+    T, S = expert_idx.shape
+    if S < 1:
+        raise ValueError(f"expert_idx must have at least one slot per token, got shape {tuple(expert_idx.shape)}")
+    P = T * S
+    if P > _MAX_PAIRS:
+        raise ValueError(f"expert_idx has {P} pairs; at most 2**31 - 1 are supported")
+    dev = expert_idx.device
+    if check and P:
+        lo, hi = torch.stack(torch.aminmax(expert_idx)).tolist()  # the one sync
+        if lo < 0 or hi >= E:
+            raise ValueError(f"expert_idx values {lo}..{hi} out of range [0, num_experts) = [0, {E})")
+
+    key_dtype = _sort_key_dtype(E)
+    flat = expert_idx.reshape(-1)
+    if not check:
+        flat = flat.clamp(-1, E)  # out-of-range ids stay outside [0, E) once narrowed: dropped, never wrapped in
+    keys = flat.to(key_dtype)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    bounds = torch.arange(E + 1, dtype=key_dtype, device=dev)
+    offsets = torch.searchsorted(sorted_keys, bounds)  # int64 [E+1], offsets[e] = #pairs with id < e
+    pair = order.to(torch.int32)
+    token = torch.div(pair, S, rounding_mode="floor")
+    slot = pair % S
+    return Route(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E)
+
+
+# ---------------------------------------------------------------- expert matmul
+def _groups(route: Route, x: torch.Tensor, out_groups) -> tuple[int, int]:
+    S = route.S
+    G_in = 1 if x.dim() == 2 else x.shape[1]
+    if G_in < 1 or S % G_in:
+        raise ValueError(f"x has G_in = {G_in} input groups (shape {tuple(x.shape)}), which must divide "
+                         f"the S = {S} slots of the route")
+    if out_groups is None:
+        G_out = S
+    else:
+        G_out = C.check_positive_int("out_groups", out_groups)
+        if S % G_out:
+            raise ValueError(f"out_groups = {G_out} must divide the S = {S} slots of the route")
+    return G_in, G_out
+
+
+def _validate(x, route, weight, gates, out_groups, deterministic):
+    if not isinstance(route, Route):
+        raise TypeError(f"route must be a flashswitch Route (from flashswitch.route), got {type(route).__name__}")
+    C.check_tensor("x", x)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [T, d_in] or [T, G_in, d_in], got shape {tuple(x.shape)}")
+    if route.device != x.device:
+        raise ValueError(f"route is on {route.device} but x is on {x.device}; they must share one device")
+    if x.shape[0] != route.T:
+        raise ValueError(f"x has T = {x.shape[0]} tokens but the route has T = {route.T}")
+    C.check_tensor("weight", weight, ndim=3, device=x.device, last_contiguous=False)
+    if weight.dtype != x.dtype and not (weight.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)):
+        raise TypeError(f"weight has dtype {weight.dtype} but x has {x.dtype}; weight must match x "
+                        f"(or be float32 master weights with fp16/bf16 x)")
+    if weight.shape[0] != route.E:
+        raise ValueError(f"weight has {weight.shape[0]} experts (shape {tuple(weight.shape)}) but the route "
+                         f"has num_experts = {route.E}")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight has d_in = {weight.shape[1]} (shape {tuple(weight.shape)}) but x has "
+                         f"d_in = {x.shape[-1]}")
+    if gates is not None:
+        C.check_tensor("gates", gates, ndim=2, device=x.device, last_contiguous=False)
+        C.check_shape("gates", gates, (route.T, route.S))
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    return _groups(route, x, out_groups)
+
+
+def _features(x3: torch.Tensor, weight: torch.Tensor, S: int, G_out: int, deterministic: bool) -> dict:
+    T, G_in, d_in = x3.shape
+    E, _, d_out = weight.shape
+    return space.features(OP, dtype=C.DTYPE_NAMES[x3.dtype], wdtype=C.DTYPE_NAMES[weight.dtype], d_in=d_in,
+                          d_out=d_out, E=E, S=S, G_in=G_in, G_out=G_out, tokens=T,
+                          deterministic=bool(deterministic))
+
+
+def _launcher(backend: str):
+    if backend == "triton":
+        from flashswitch.kernels_triton.expert_matmul import launch
+    elif backend == "cuda":
+        from flashswitch.bindings.cuda import expert_matmul as launch
+    elif backend == "cupy":
+        from flashswitch.bindings.cupy import expert_matmul as launch
+    else:
+        raise ValueError(f"unknown kernel backend {backend!r}")
+    return launch
+
+
+def _run_backend(backend: str, x3, weight, gates, rt: Route, G_out: int, deterministic: bool, config=None):
+    T, G_in, d_in = x3.shape
+    d_out = weight.shape[2]
+    y = C.new_output((T, G_out, d_out), x3.dtype, x3.device)
+    if y.numel() == 0:
+        return y
+    if config is None:
+        config = store.lookup(OP, backend, _features(x3, weight, rt.S, G_out, deterministic))
+    _launcher(backend)(x3, weight, gates, rt, y, G_in=G_in, G_out=G_out, deterministic=deterministic,
+                       config=config)
+    return y
+
+
+@torch.library.custom_op("flashswitch::expert_matmul", mutates_args=())
+def _expert_matmul_op(x3: torch.Tensor, weight: torch.Tensor, gates: Optional[torch.Tensor], token: torch.Tensor,
+                      slot: torch.Tensor, offsets: torch.Tensor, S: int, G_out: int, deterministic: bool,
+                      backend: str) -> torch.Tensor:
+    rt = Route(token=token, slot=slot, offsets=offsets, expert_idx=None, T=x3.shape[0], S=S,
+               E=offsets.numel() - 1)
+    return _run_backend(backend, x3, weight, gates, rt, G_out, deterministic)
+
+
+@_expert_matmul_op.register_fake
+def _(x3, weight, gates, token, slot, offsets, S, G_out, deterministic, backend):
+    return x3.new_empty((x3.shape[0], G_out, weight.shape[2]))
+
+
+def _x3(x: torch.Tensor) -> torch.Tensor:
+    """Kernels read x through a [T, G_in, d_in] view."""
+    return x.unsqueeze(1) if x.dim() == 2 else x
+
+
+def problem_features(x, expert_idx, num_experts, weight, gates=None, out_groups=None, deterministic=False) -> dict:
+    """The autotune bucket of a problem (keyword arguments as `random_problem` returns them)."""
+    T, S = expert_idx.shape
+    G_out = S if out_groups is None else int(out_groups)
+    return _features(_x3(x), weight, S, G_out, deterministic)
+
+
+def run_kernel(backend: str, config, x, expert_idx, num_experts, weight, gates=None, out_groups=None,
+               deterministic=False):
+    """Routing + one kernel call with an explicit config (None: tuned/default), for the tuner and the
+    benchmarks: y [T, G_out, d_out]. The routing runs without its range check (no host sync), so the
+    time measured is what a CUDA-graph-captured step pays."""
+    if backend == "reference":
+        from flashswitch.reference.expert_matmul import torch_expert_matmul
+        return torch_expert_matmul(x, expert_idx, weight, gates=gates, out_groups=out_groups)
+    rt = route(expert_idx, num_experts, check=False)
+    G_in, G_out = _validate(x, rt, weight, gates, out_groups, deterministic)
+    return _run_backend(backend, _x3(x), weight, gates, rt, G_out, deterministic, config)
+
+
+def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates: Optional[torch.Tensor] = None,
+                  out_groups: Optional[int] = None, deterministic: bool = False, backend: str = "auto") -> torch.Tensor:
+    """Grouped expert matmul over the routed pairs of `route`; see SPEC.md, op 3.
+
+    x: [T, d_in] (every slot of token t reads row t) or [T, G_in, d_in] (slot s reads row
+    (t, s // (S / G_in))). weight: [E, d_in, d_out], any strides, x's dtype or float32 (master
+    weights, cast in the kernel) with fp16/bf16 x. gates: None or [T, S] (float). out_groups: G_out
+    dividing S (default S). Returns y [T, G_out, d_out] in x's dtype:
+    y[t, g] = Σ_{s: s // (S / G_out) = g} gates[t, s] · x_row(t, s) @ weight[expert_idx[t, s]].
+
+    `deterministic=True` makes the slot reduction (G_out < S) run in a fixed order, so repeated
+    calls give bitwise-identical results (slower: per-pair fp32 rows go through memory).
+    `backend`: "auto", "reference", "triton", "cuda" or "cupy".
+    """
+    G_in, G_out = _validate(x, route, weight, gates, out_groups, deterministic)
+    x3 = _x3(x)
+    bucket = _features(x3, weight, route.S, G_out, deterministic) if x.is_cuda else None
+    backend = C.resolve_backend(OP, backend, x.device, bucket)
+    if backend == "reference":
+        if route.expert_idx is None:
+            raise ValueError("the reference backend needs a route built by flashswitch.route (with expert_idx)")
+        from flashswitch.reference.expert_matmul import torch_expert_matmul
+        return torch_expert_matmul(x, route.expert_idx, weight, gates=gates, out_groups=out_groups)
+    return _expert_matmul_op(x3, weight, gates, route.token, route.slot, route.offsets, route.S, G_out,
+                             deterministic, backend)
+
+
+__all__ = ["Route", "route", "expert_matmul"]

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Project entry point. Usage:
+#   ./fs demo | info | check | bench | autotune ...   the flashswitch CLI
+#   ./fs test [pytest args]                            the test suite
+# On first use it creates .venv with torch, the test tools and flashswitch itself (building the CUDA
+# extension when nvcc is found). FLASHSWITCH_PYTHON=/path/to/python uses an existing environment instead.
+set -euo pipefail
+cd "$(dirname "$0")"
+export CUDA_HOME="${CUDA_HOME:-$( [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda || true )}"
+[ -n "$CUDA_HOME" ] || unset CUDA_HOME
+
+PY="${FLASHSWITCH_PYTHON:-}"
+if [ -z "$PY" ]; then
+  PY=.venv/bin/python
+  if [ ! -x "$PY" ] || ! "$PY" -c "import flashswitch, torch" 2>/dev/null; then
+    echo "== setting up .venv (torch ${FLASHSWITCH_TORCH_SPEC:-torch==2.14.1}, test tools, flashswitch)" >&2
+    python3 -m venv .venv
+    "$PY" -m pip install -q --upgrade pip setuptools wheel
+    "$PY" -m pip install -q "${FLASHSWITCH_TORCH_SPEC:-torch==2.14.1}" numpy ninja rich tqdm matplotlib \
+      pytest hypothesis pytest-benchmark
+    "$PY" -m pip install --no-build-isolation -v -e . 2>&1 | grep -E "flashswitch setup|nvcc|\[[0-9]+/[0-9]+\]|error|Successfully" >&2
+  fi
+fi
+
+cmd="${1:-demo}"
+shift || true
+if [ "$cmd" = "test" ]; then
+  exec "$PY" -m pytest tests "$@"
+fi
+exec "$PY" -m flashswitch "$cmd" "$@"

@@ -1,0 +1,279 @@
+"""Tuned-config store (lookup, fallbacks, atomic writes) and the tuner's selection logic (CPU)."""
+import json
+import math
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+from flashswitch import registry
+from flashswitch.autotune import space, store, tune as T
+
+DEV = "Fake GPU 9000"
+
+
+@pytest.fixture
+def cfg_dir(tmp_path, monkeypatch):
+    """An empty config folder for a fake device, through FLASHSWITCH_CONFIG_DIR."""
+    monkeypatch.setenv("FLASHSWITCH_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(store, "device_name", lambda: DEV)
+    return tmp_path
+
+
+def _feats(dtype="bf16", D=128, C=16, rows=1 << 19):
+    return space.features("chunk_summaries", dtype=dtype, D=D, C=C, rows=rows)
+
+
+def _write(folder, buckets):
+    ops = {"chunk_summaries": {store.bucket_key(f): {"features": f, "best": best,
+                                                      "backends": {"triton": {"config": cfg, "ms": 0.1}}}
+                               for f, cfg, best in buckets}}
+    store.save({"device": DEV, "ops": ops}, store.device_file(folder=folder))
+
+
+# ---------------------------------------------------------------- store
+def test_config_dir_override(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLASHSWITCH_CONFIG_DIR", raising=False)
+    assert store.config_dir() == store.PACKAGE_CONFIGS
+    monkeypatch.setenv("FLASHSWITCH_CONFIG_DIR", str(tmp_path))
+    assert store.config_dir() == tmp_path
+    monkeypatch.setattr(store, "device_name", lambda: "NVIDIA H200 (x)")
+    assert store.device_file() == tmp_path / "NVIDIA_H200_x.json"
+
+
+def test_lookup_exact_nearest_default(cfg_dir):
+    exact = {"BLOCK_CHUNKS": 4, "num_warps": 4, "num_stages": 2}
+    far = {"BLOCK_CHUNKS": 1, "num_warps": 8, "num_stages": 3}
+    _write(cfg_dir, [(_feats(rows=1 << 19), exact, "triton"), (_feats(rows=1 << 12), far, "cuda")])
+    assert store.lookup("chunk_summaries", "triton", _feats(rows=1 << 19)) == exact
+    assert store.best_backend("chunk_summaries", _feats(rows=1 << 19)) == "triton"
+    # nearest on a log scale: 2^18 is closer to 2^19 than to 2^12
+    assert store.lookup("chunk_summaries", "triton", _feats(rows=1 << 18)) == exact
+    assert store.lookup("chunk_summaries", "triton", _feats(rows=1 << 13)) == far
+    assert store.best_backend("chunk_summaries", _feats(rows=1 << 13)) == "cuda"
+    # a categorical feature that matches nothing: the heuristic default
+    f = _feats(dtype="fp32")
+    assert store.lookup("chunk_summaries", "triton", f) == space.default_config("chunk_summaries", "triton", f)
+    assert store.best_backend("chunk_summaries", f) is None
+    # a backend the file does not know: its default
+    f = _feats()
+    assert store.lookup("chunk_summaries", "cuda", f) == space.default_config("chunk_summaries", "cuda", f)
+
+
+def test_missing_file_gives_defaults(cfg_dir):
+    f = _feats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert store.lookup("chunk_summaries", "triton", f) == space.default_config("chunk_summaries", "triton", f)
+        assert store.best_backend("chunk_summaries", f) is None
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"device": "x"}'])
+def test_corrupt_file_warns_and_falls_back(cfg_dir, text):
+    store.device_file().write_text(text)
+    f = _feats()
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        cfg = store.lookup("chunk_summaries", "triton", f)
+    assert cfg == space.default_config("chunk_summaries", "triton", f)
+
+
+def test_atomic_save_leaves_no_temp_files(tmp_path):
+    path = tmp_path / "sub" / "dev.json"
+    store.save({"ops": {"a": {}}}, path)
+    store.save({"ops": {"b": {}}}, path)
+    assert [p.name for p in path.parent.iterdir()] == ["dev.json"]
+    assert json.loads(path.read_text()) == {"ops": {"b": {}}}
+    # a write that fails half-way keeps the old file and leaves nothing behind
+    with pytest.raises(TypeError):
+        store.save({"ops": {"c": object()}}, path)
+    assert [p.name for p in path.parent.iterdir()] == ["dev.json"]
+    assert json.loads(path.read_text()) == {"ops": {"b": {}}}
+
+
+# ---------------------------------------------------------------- sweep / selection
+def _fake_time(table):
+    def time_fn(fn, cfg):
+        fn()
+        t = table[cfg["id"]]
+        if isinstance(t, Exception):
+            raise t
+        return t
+    return time_fn
+
+
+def test_sweep_picks_fastest_and_records_failures():
+    configs = [{"id": i} for i in range(5)]
+    table = {0: 3.0, 1: RuntimeError("out of resources: shared memory"), 2: 1.0, 3: float("nan"), 4: 2.0}
+    ran = []
+    res = T.sweep_configs(configs, make_fn=lambda c: (lambda: ran.append(c["id"])), time_fn=_fake_time(table))
+    assert res["config"] == {"id": 2} and res["ms"] == 1.0
+    assert res["timed"] == 3 and res["complete"]
+    assert {f["config"]["id"] for f in res["failed"]} == {1, 3}
+    assert "shared memory" in next(f["error"] for f in res["failed"] if f["config"]["id"] == 1)
+    assert ran == [0, 1, 2, 3, 4]
+
+
+def test_sweep_never_returns_a_wrong_config():
+    configs = [{"id": i} for i in range(4)]
+    table = {0: 4.0, 1: 1.0, 2: 2.0, 3: 3.0}
+
+    def verify(cfg):
+        if cfg["id"] in (1, 2):
+            raise AssertionError("v_sum: relative error nan")
+
+    res = T.sweep_configs(configs, lambda c: (lambda: None), _fake_time(table), verify=verify)
+    assert res["config"] == {"id": 3}
+    assert [f["config"]["id"] for f in res["failed"]] == [1, 2]
+    assert all(f["error"].startswith("wrong result") for f in res["failed"])
+    res = T.sweep_configs(configs, lambda c: (lambda: None), _fake_time(table),
+                          verify=lambda c: (_ for _ in ()).throw(AssertionError("bad")))
+    assert res["config"] is None and res["ms"] is None
+
+
+def test_sweep_stops_at_deadline():
+    configs = [{"id": i} for i in range(4)]
+    res = T.sweep_configs(configs, lambda c: (lambda: None), _fake_time({i: 1.0 for i in range(4)}), deadline=0.0)
+    assert res["config"] is None and not res["complete"] and res["timed"] == 0
+
+
+def test_choose_best():
+    assert T.choose_best({"triton": 1.0, "cuda": 0.5, "reference": 2.0}) == "cuda"
+    assert T.choose_best({"triton": 1.0, "reference": 0.8}) == "reference"  # auto never slower than it
+    assert T.choose_best({"triton": 1.0, "reference": 1.0}) == "reference"
+    assert T.choose_best({"triton": None, "reference": 1.0}) == "reference"
+    assert T.choose_best({"triton": math.inf}) is None
+    assert T.choose_best({}) is None
+
+
+# ---------------------------------------------------------------- the whole tuner on a fake op
+FAKE = "fake_op"
+
+
+def _fake_modules(monkeypatch, wrong=()):
+    """A registry entry whose kernel is the reference itself, except for the configs in `wrong`."""
+    ref = types.ModuleType("fake_op_reference")
+
+    def torch_fake_op(x, *, scale=2.0):
+        return x.float().mul(scale).to(x.dtype)
+
+    def numpy_fake_op(x, *, scale=2.0):
+        return x.detach().cpu().double().numpy() * scale
+
+    def random_problem(n=8, *, dtype=torch.float32, device="cpu", seed=0):
+        g = torch.Generator().manual_seed(seed)
+        return {"x": torch.randn(n, generator=g).to(dtype=dtype, device=device)}
+
+    ref.torch_fake_op, ref.numpy_fake_op, ref.random_problem = torch_fake_op, numpy_fake_op, random_problem
+    ops = types.ModuleType("fake_op_ops")
+    ops.OP = FAKE
+    ops.problem_features = lambda x: space.features(FAKE, dtype=str(x.dtype).replace("torch.", ""), n=x.numel())
+
+    def run_kernel(backend, config, x):
+        out = torch_fake_op(x)
+        return out + 1 if config and config["b"] in wrong else out
+
+    ops.run_kernel = run_kernel
+    monkeypatch.setitem(sys.modules, "fake_op_reference", ref)
+    monkeypatch.setitem(sys.modules, "fake_op_ops", ops)
+    spec = registry.OpSpec(name=FAKE, ops_module="fake_op_ops", reference_module="fake_op_reference",
+                           cost=lambda p: {"bytes": 2 * p["x"].numel() * p["x"].element_size()})
+    monkeypatch.setitem(registry.OPS, FAKE, spec)
+    monkeypatch.setitem(space.SPACES, (FAKE, "triton"), lambda f: [{"b": b} for b in (1, 2, 3, 4)])
+    monkeypatch.setitem(space.TUNE_SHAPES, FAKE, [dict(n=8), dict(n=64)])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # makes "triton" a usable backend on CPU tensors
+
+
+def _timer(ref_ms):
+    def time_fn(fn, *, backend, config):
+        fn()
+        return ref_ms if backend == "reference" else {1: 0.4, 2: 0.1, 3: 0.2, 4: 0.3}[config["b"]]
+    return time_fn
+
+
+def test_tune_end_to_end_on_a_fake_op(tmp_path, monkeypatch):
+    _fake_modules(monkeypatch, wrong=(2,))  # the fastest config is wrong: never saved
+    other = {"device": "cpu", "ops": {"chunk_summaries": {"k": {"features": {}, "best": "triton", "backends": {}}}}}
+    store.save(other, tmp_path / "cpu.json")
+    res = T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",
+                 time_fn=_timer(1.0), progress=False, budget_s=60)
+    assert res["path"] == tmp_path / "cpu.json" and res["buckets"] == 2
+    data = json.loads(res["path"].read_text())
+    assert data["ops"]["chunk_summaries"] == other["ops"]["chunk_summaries"]  # merged, not replaced
+    for key in ("device", "capability", "versions", "created", "budget_s"):
+        assert key in data
+    assert set(data["versions"]) >= {"torch", "triton", "cuda", "python"}
+    table = data["ops"][FAKE]
+    assert len(table) == 2
+    for rec in table.values():
+        assert rec["best"] == "triton"
+        assert rec["backends"]["triton"]["config"] == {"b": 3} and rec["backends"]["triton"]["ms"] == 0.2
+        assert rec["backends"]["reference"]["ms"] == 1.0
+        assert rec["backends"]["triton"]["GB/s"] > 0
+        assert [f["config"] for f in rec["failures"]["triton"]["first"]] == [{"b": 2}]
+    assert [p.name for p in tmp_path.iterdir()] == ["cpu.json"]
+    # the store reads what the tuner wrote
+    monkeypatch.setenv("FLASHSWITCH_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(store, "device_name", lambda: "cpu")
+    feats = next(iter(table.values()))["features"]
+    assert store.lookup(FAKE, "triton", feats) == {"b": 3}
+
+
+def test_tune_prefers_a_faster_reference_and_keeps_budget(tmp_path, monkeypatch):
+    _fake_modules(monkeypatch)
+    res = T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",
+                 time_fn=_timer(0.05), progress=False)
+    assert {rec["best"] for rec in res["data"]["ops"][FAKE].values()} == {"reference"}
+    # a spent budget: nothing tuned, nothing written, no error
+    res = T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path / "b0", device="cpu",
+                 time_fn=_timer(1.0), progress=False, budget_s=0)
+    assert res["buckets"] == 0 and res["stopped"] == "budget" and not (tmp_path / "b0").exists()
+
+
+def test_tune_resume_keeps_complete_buckets(tmp_path, monkeypatch):
+    _fake_modules(monkeypatch)
+    first = T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",
+                   time_fn=_timer(1.0), progress=False)
+    calls = []
+
+    def counting(fn, *, backend, config):
+        calls.append(backend)
+        return _timer(1.0)(fn, backend=backend, config=config)
+
+    again = T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",
+                   time_fn=counting, progress=False, resume=True)
+    assert calls == [] and again["buckets"] == 0
+    assert json.loads(first["path"].read_text())["ops"][FAKE] == first["data"]["ops"][FAKE]
+
+
+def test_tune_skips_bucket_without_a_valid_kernel(tmp_path, monkeypatch):
+    _fake_modules(monkeypatch, wrong=(1, 2, 3, 4))
+    res = T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",
+                 time_fn=_timer(1.0), progress=False)
+    assert res["buckets"] == 0 and not (tmp_path / "cpu.json").exists()
+
+
+def test_tune_refuses_without_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(RuntimeError, match="GPU"):
+        T.tune(ops=["chunk_summaries"], progress=False)
+
+
+def test_bench_ms_signature():
+    """`do_bench(..., return_mode="median")` exists in the installed triton (3.6 and later)."""
+    import inspect
+    from triton.testing import do_bench
+    params = inspect.signature(do_bench).parameters
+    assert "return_mode" in params and "quantiles" in params
+
+
+def test_registry_cost_of_op1():
+    spec = registry.get("chunk_summaries")
+    p = spec.random_problem(B=1, H=2, N=40, D=8, C=16, dtype="fp16")
+    # k, v read (2 x 1*2*40*8*2 bytes) + k_sum, v_sum (2 x 1*2*3*8*2) + lse (1*2*3*4)
+    assert spec.cost(p)["bytes"] == 2 * 1280 + 2 * 96 + 24
+    assert spec.throughput(p, 1.0)["GB/s"] == pytest.approx((2 * 1280 + 2 * 96 + 24) / 1e6)
+    with pytest.raises(ValueError, match="unknown op"):
+        registry.get("nope")

@@ -1,0 +1,96 @@
+"""`flashswitch info | check | demo | autotune | bench` on CPU (small problems)."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashswitch import cli, registry
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_TRITON_OP1 = importlib.util.find_spec("flashswitch.kernels_triton.chunk_summaries") is not None
+needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
+
+
+def _run_module(*args, env_extra=None, drop=()):
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "flashswitch", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_info(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for word in ("torch", "triton", "reference", "cuda", "cupy", "config folder", "chunk_summaries"):
+        assert word in out
+
+
+@needs_cpu
+def test_info_explains_missing_backends(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "TRITON_INTERPRET=1" in out
+    ok, why = cli.backend_status("cuda", torch.device("cpu"))
+    assert not ok and ("not built" in why or "no GPU" in why)
+
+
+def test_check_references(capsys):
+    assert cli.main(["check", "--backends", "reference", "--dtypes", "fp32", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "pass" in out and "0 failed" in out
+
+
+@pytest.mark.skipif(not HAS_TRITON_OP1, reason="the op-1 Triton kernel is not there yet")
+def test_check_with_triton_interpreter(capsys):
+    # tests/conftest.py sets TRITON_INTERPRET=1 on CPU, so triton runs here on CPU tensors
+    assert cli.main(["check", "--ops", "chunk_summaries", "--dtypes", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "triton" in out and "0 failed" in out
+
+
+def test_check_reports_a_wrong_kernel(capsys, monkeypatch):
+    spec = registry.get("chunk_summaries")
+
+    def wrong(self, backend, config, problem):
+        outs = self.torch_outputs(problem)
+        return (outs[0] + 1,) + outs[1:]
+
+    monkeypatch.setattr(registry.OpSpec, "kernel_outputs", wrong)
+    monkeypatch.setattr(cli, "usable_kernel_backends", lambda device: ["triton"])
+    assert cli.main(["check", "--ops", spec.name, "--dtypes", "fp32"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "k_sum" in out
+
+
+def test_check_rejects_unknown_op(capsys):
+    assert cli.main(["check", "--ops", "nope"]) == 2
+
+
+def test_demo_without_kernels():
+    r = _run_module("demo", drop=("TRITON_INTERPRET",))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "chunk_summaries" in r.stdout and "reference" in r.stdout
+
+
+def test_default_command_is_demo(capsys, monkeypatch):
+    if not HAS_TRITON_OP1:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert "backend='auto' picks" in out and "chunk_summaries" in out
+
+
+@needs_cpu
+def test_autotune_refuses_without_gpu(capsys):
+    assert cli.main(["autotune", "--budget", "1"]) == 2
+    assert "GPU" in capsys.readouterr().out
+
+
+@needs_cpu
+def test_bench_quick_refuses_without_gpu(capsys):
+    assert cli.main(["bench", "--quick"]) == 2
