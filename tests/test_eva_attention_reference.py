@@ -341,3 +341,11 @@ def test_numpy_oracle_accepts_arrays():
     p = random_problem(1, 2, 2, None, 11, 4, 2, 4, dtype=F64)
     arrays = {n: (x.numpy() if isinstance(x, torch.Tensor) else x) for n, x in p.items()}
     assert np.allclose(numpy_eva_attention(**arrays), numpy_eva_attention(**p), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("Nq,Nk", [(0, 0), (0, 10), (1, 1)])
+def test_empty_and_tiny_sizes(Nq, Nk):
+    p = random_problem(1, 2, 1, Nq, Nk, 76, 4, 8, summary_bias="log_count", device=DEVICE)
+    o, lse = torch_eva_attention(**p, return_lse=True)
+    assert o.shape == (1, 2, Nq, 76) and lse.shape == (1, 2, Nq)
+    _compare(p, torch.float32)

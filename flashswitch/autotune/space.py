@@ -91,15 +91,22 @@ def _eva_triton_fits(f: dict, bm: int, bn: int, w: int, stages: int) -> bool:
 
 def _eva_triton_space(f: dict) -> list[dict]:
     # BLOCK_M is clamped to the rows of a (batch, head) at launch; decode also sweeps the number of
-    # key-range splits (0 = automatic)
+    # key-range splits (0 = automatic). fp32 uses IEEE FMA dot products, which hold whole operand
+    # rows in registers: only small tiles avoid spilling.
+    fp32 = f["dtype"] == "fp32"
     out = []
     if f.get("decode"):
-        bns = (32, 64) if f["D"] > 128 else (64, 128)
-        for bn, w, s, sp in itertools.product(bns, (4, 8), (2, 3), (0, 1, 2, 4, 8, 16)):
-            if _eva_triton_fits(f, 64, bn, w, s):
-                out.append({"BLOCK_M": 64, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "NUM_SPLITS": sp})
+        bms = (16,) if fp32 else (16, 64)
+        bns = (16, 32) if fp32 else ((32, 64) if f["D"] > 128 else (64, 128))
+        for bm, bn, w, s, sp in itertools.product(bms, bns, (4, 8), (2, 3), (0, 1, 2, 4, 8, 16)):
+            if _eva_triton_fits(f, bm, bn, w, s):
+                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "NUM_SPLITS": sp})
         return out
-    for bm, bn, w, s in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+    if fp32:
+        grid = itertools.product((16, 32), (16, 32), (4, 8), (1, 2))
+    else:
+        grid = itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+    for bm, bn, w, s in grid:
         if _eva_triton_fits(f, bm, bn, w, s):
             out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s})
     return out
@@ -107,21 +114,22 @@ def _eva_triton_space(f: dict) -> list[dict]:
 
 def _eva_triton_default(f: dict) -> dict:
     D, fp32 = f["D"], f["dtype"] == "fp32"
+    if fp32:
+        small = D <= 64
+        cfg = {"BLOCK_M": 32 if small else 16, "BLOCK_N": 32 if small else 16, "num_warps": 4, "num_stages": 2}
+        if f.get("decode"):
+            cfg.update(BLOCK_M=16, BLOCK_N=32 if D <= 32 else 16, NUM_SPLITS=0)
+        return cfg
     if f.get("decode"):
-        cfg = {"BLOCK_M": 64, "BLOCK_N": 32 if D > 128 or fp32 else 64, "num_warps": 4, "num_stages": 3,
-               "NUM_SPLITS": 0}
-    elif fp32:
-        cfg = {"BLOCK_M": 32 if D > 128 else 64, "BLOCK_N": 32, "num_warps": 4 if D <= 64 else 8,
-               "num_stages": 2}
-    elif D <= 64:
-        cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-    elif D <= 128:
+        return {"BLOCK_M": 64, "BLOCK_N": 32 if D > 128 else 64, "num_warps": 4 if D <= 128 else 8,
+                "num_stages": 3, "NUM_SPLITS": 0}
+    if D <= 128:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
     else:
         cfg = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     # a short sliding window: smaller query tiles waste less of the ragged band of exact keys
-    if not f.get("decode") and f.get("window") == "sliding" and f.get("W", 1 << 30) < 4 * cfg["BLOCK_M"]:
-        cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
+    if f.get("window") == "sliding" and f.get("W", 1 << 30) < 4 * cfg["BLOCK_M"] and cfg["BLOCK_M"] > 64:
+        cfg.update(BLOCK_M=64, num_warps=4)
     return cfg
 
 
@@ -205,7 +213,6 @@ def _em_triton_default(f: dict) -> dict:
     s = 2 if bk >= f["d_in"] else (3 if bm * bn >= 16384 or fp32 else 4)
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": _em_group_n(f, bn),
             "INTERLEAVE": _em_interleave(f, bm), "num_warps": w, "num_stages": s}
-
 
 # ---------------------------------------------------------------- registry
 SPACES = {

@@ -6,8 +6,8 @@
 //   chunk_summaries_plan(D, elem_size, align, chunk_size, nchunks, threads, unroll, split) -> int[]
 //       the launch shape [vec, vpl, lanes, split, threads, unroll, grid, smem_bytes] (for tests)
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -148,7 +148,7 @@ void chunk_summaries_fwd(const at::Tensor& k, const at::Tensor& v, const std::op
   a.scale = static_cast<float>(scale);
 
   const c10::cuda::CUDAGuard guard(k.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(k.get_device()).stream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(k.get_device()).stream();
   const cudaError_t err = fs_chunk_summaries_fwd(&a, static_cast<int>(threads), static_cast<int>(unroll),
                                                  static_cast<int>(split), stream);
   TORCH_CHECK(err == cudaSuccess, "chunk_summaries_fwd: kernel launch failed (B=", B, ", H=", H, ", N=", N,

@@ -8,11 +8,12 @@
 // Work layout. A *group* of `lanes` consecutive lanes (a power of two) holds one token row: lane g of
 // the group owns vectors g, g + lanes, ... (VPL of them) of VEC elements, each one 16, 8, 4-byte or
 // scalar access. A warp holds 32 / lanes groups. `split` groups share one chunk: group r of a chunk
-// takes rows r, r + split, ... and runs an online softmax (base 2) over them, loading UNROLL rows of
-// k and v before using any. The groups of a chunk then merge their states: with xor shuffles inside a
-// warp, and through shared memory when a chunk spans several warps (split > 32 / lanes). Group 0 of
-// the chunk writes the outputs. Every loop trip count is uniform across a block, so all shuffles run
-// with the full mask and __syncthreads is reached by every thread.
+// takes rows r, r + split, ... and runs an online softmax (base 2) over them, loading U rows of k
+// and v before using any (U = config "unroll"; WEIGHTED: key_weight given). The groups of a chunk
+// then merge their states: with xor shuffles inside a warp, and through shared memory when a chunk
+// spans several warps (split > 32 / lanes). Group 0 of the chunk writes the outputs. Every loop trip
+// count is uniform across a block, so all shuffles run with the full mask and __syncthreads is
+// reached by every thread.
 #include "common.cuh"
 #include "chunk_summaries.h"
 
@@ -58,6 +59,7 @@ __global__ void __launch_bounds__(FS_CS_MAX_THREADS) chunk_summaries_fwd_kernel(
   const int r = group - slot * P;               // rank of this group within its chunk
   const i64 Nc = (N + C - 1) / C;
   const i64 nchunks = B * H * Nc;
+  const i64 rows = C < N ? C : N;               // most rows in any chunk
 
   for (i64 first = (i64)blockIdx.x * cpb; first < nchunks; first += (i64)gridDim.x * cpb) {
     const i64 q = first + slot;
@@ -72,19 +74,16 @@ __global__ void __launch_bounds__(FS_CS_MAX_THREADS) chunk_summaries_fwd_kernel(
     const i64 len = live ? (N - j0 < C ? N - j0 : C) : 0;  // rows of this chunk
 
     // This lane's slices of omega_c and key_weight_h.
+    const i64 d_lane = (i64)gl * VEC;
     float om[E], kw[E];
 #pragma unroll
-    for (int i = 0; i < VPL; ++i) {
-      const i64 d0 = (i64)(gl + i * G) * VEC;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const bool in = live && d0 < D;
-        om[i * VEC + e] = (in && omega != nullptr)
-                              ? load_any(omega, omega_dtype, b * om_sb + h * om_sh + c * om_sc + d0 + e)
-                              : 0.f;
-        kw[i * VEC + e] = (in && WEIGHTED) ? load_any(key_weight, key_weight_dtype, h * kw_sh + d0 + e) : 0.f;
-      }
+    for (int i = 0; i < E; ++i) {
+      om[i] = 0.f;
+      kw[i] = 0.f;
     }
+    if (omega != nullptr && live)
+      load_slice<VEC, VPL>(om, omega, omega_dtype, b * om_sb + h * om_sh + c * om_sc, d_lane, G * VEC, D);
+    if (WEIGHTED && live) load_slice<VEC, VPL>(kw, key_weight, key_weight_dtype, h * kw_sh, d_lane, G * VEC, D);
 
     // Online softmax states (base 2): values (m, s, av) and keys (m2, s2, ak). In mean mode the key
     // state is (0 or -inf, count, sum), which merges with the same rule.
@@ -96,13 +95,12 @@ __global__ void __launch_bounds__(FS_CS_MAX_THREADS) chunk_summaries_fwd_kernel(
       ak[i] = 0.f;
     }
     // Row t of the chunk starts at kp + t * kstep (bytes) for this lane; this group starts at row r.
-    const i64 d_lane = (i64)gl * VEC;
     const char* kp = reinterpret_cast<const char*>(k) + (b * k_sb + h * k_sh + (j0 + r) * k_sn + d_lane) * SZ;
     const char* vp = reinterpret_cast<const char*>(v) + (b * v_sb + h * v_sh + (j0 + r) * v_sn + d_lane) * SZ;
     const unsigned char* mp = valid != nullptr ? valid + b * va_sb + (j0 + r) * va_sn : nullptr;
     const i64 kstep = k_sn * SZ * P, vstep = v_sn * SZ * P, mstep = va_sn * P;
 
-    for (i64 it = 0; it < C; it += (i64)P * U) {
+    for (i64 it = 0; it < rows; it += (i64)P * U) {
       V kx[U][VPL], vx[U][VPL];
       bool ok[U];
 #pragma unroll
@@ -219,7 +217,8 @@ __global__ void __launch_bounds__(FS_CS_MAX_THREADS) chunk_summaries_fwd_kernel(
     }
     if constexpr (!WEIGHTED) m2 = s2 > 0.f ? 0.f : neg_inf();
 
-    // Merge the groups of a chunk that share this warp (partners hold the same vector slots).
+    // Merge the groups of a chunk that share this warp (partners hold the same vector slots); after
+    // this every group of the chunk in this warp holds the same state.
     for (int o = G; o < G * Pi; o <<= 1) {
       float mm, fa, fb;
       const float mo = __shfl_xor_sync(0xffffffffu, m, o);
@@ -238,7 +237,8 @@ __global__ void __launch_bounds__(FS_CS_MAX_THREADS) chunk_summaries_fwd_kernel(
       for (int i = 0; i < E; ++i) ak[i] = ak[i] * fa + __shfl_xor_sync(0xffffffffu, ak[i], o) * fb;
     }
 
-    // Merge across the warps of a chunk (then every group of a warp holds the warp's state).
+    // Merge across the warps of a chunk: each warp's group 0 posts its state, the chunk's first warp
+    // folds the others into its own.
     if (W > 1) {
       const int stride = 4 + 2 * G * E;
       float* st = smem + warp * stride;

@@ -59,11 +59,30 @@ struct Elem<FS_DTYPE_BF16> {
   }
 };
 
-// One scalar of a tensor whose dtype is known only at run time (small operands such as omega).
-__device__ __forceinline__ float load_any(const void* p, int dtype, i64 i) {
-  if (dtype == FS_DTYPE_F32) return __ldg(reinterpret_cast<const float*>(p) + i);
-  const unsigned int b = __ldg(reinterpret_cast<const unsigned short*>(p) + i);
-  return dtype == FS_DTYPE_F16 ? Elem<FS_DTYPE_F16>::to_float(b) : Elem<FS_DTYPE_BF16>::to_float(b);
+// A lane's slice of one row of a tensor whose dtype is known only at run time (small operands such
+// as omega): x[i * VEC + e] = p[off + d0 + i * step + e] where d0 + i * step < D, else 0.
+template <int VEC, int VPL>
+__device__ __forceinline__ void load_slice(float (&x)[VEC * VPL], const void* p, int dtype, i64 off, i64 d0,
+                                           int step, i64 D) {
+  if (dtype == FS_DTYPE_F32) {
+    const float* q = reinterpret_cast<const float*>(p) + off + d0;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) x[i * VEC + e] = d0 + i * step < D ? __ldg(q + i * step + e) : 0.f;
+    }
+  } else {
+    const unsigned short* q = reinterpret_cast<const unsigned short*>(p) + off + d0;
+    const bool half = dtype == FS_DTYPE_F16;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const unsigned int b = d0 + i * step < D ? (unsigned int)__ldg(q + i * step + e) : 0u;
+        x[i * VEC + e] = half ? Elem<FS_DTYPE_F16>::to_float(b) : Elem<FS_DTYPE_BF16>::to_float(b);
+      }
+    }
+  }
 }
 
 // ------------------------------------------------------------------ vectors

@@ -19,7 +19,6 @@ import triton.language as tl
 from flashswitch.autotune import space
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MAX_BLOCK_J = 64
 
 
@@ -160,8 +159,9 @@ def _chunk_summaries_fwd(
 
 
 def _vec(a, b, D) -> int:
-    """Largest power of two (at most 16 bytes' worth) dividing D and every row stride of a and b."""
-    g = math.gcd(D, *a.stride()[:-1], *b.stride()[:-1])
+    """Largest power of two (at most 16 bytes' worth) dividing D and the row strides of a and b
+    (dims of size 1 are only ever indexed at 0)."""
+    g = math.gcd(D, *(st for t in (a, b) for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
     vec = 1
     while vec * 2 * a.element_size() <= 16 and g % (vec * 2) == 0:
         vec *= 2

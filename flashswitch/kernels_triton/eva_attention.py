@@ -13,7 +13,8 @@ Both are walked in BLOCK_N steps, numbered as one list of key blocks (summary bl
 exact blocks counted from start(t_min)). Blocks that every row of the tile sees in full (summaries
 below start(t_min) / C, exact keys inside [start(t_max), t_min]) run without any mask; the few
 others compare positions per element. Fully invisible blocks are never visited, so the work is
-proportional to the visible pairs.
+proportional to the visible pairs, and nothing outside the two intervals is ever read (k/v past
+t_max and summaries past the last visible one may hold anything, e.g. unused cache capacity).
 
 With NUM_SPLITS > 1 (flash-decoding) the list of key blocks of each tile is cut into NUM_SPLITS
 contiguous pieces, one per program along grid axis 2. Each writes a normalised partial output and
@@ -32,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashswitch._common import new_output
 from flashswitch.autotune import space
 
 LOG2E = 1.4426950408889634
@@ -57,7 +59,8 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, s
             DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
     """Fold key blocks e in [e_lo, e_hi) (positions origin + e * BLOCK_N + [0, BLOCK_N)) into the
     running softmax. MASK: row r sees position n iff lo_row[r] <= n <= hi_row[r], and only positions
-    below `limit` are read; without MASK every row sees the whole block."""
+    below `limit` are read; without MASK every row sees the whole block. A caller tensor bias may be
+    -inf (a summary switched off)."""
     for e in range(e_lo, e_hi):
         n0 = origin + e * BLOCK_N
         n = n0 + offs_n
@@ -92,6 +95,7 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, s
         if MASK:
             vis = (n[None, :] >= lo_row[:, None]) & (n[None, :] <= hi_row[:, None])
             s = tl.where(vis, s, float("-inf"))
+        if MASK or (SUMMARY and BIAS_MODE == 1):  # a row may have seen only -inf so far
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
@@ -108,7 +112,7 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, s
 @triton.jit
 def _eva_fwd(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bias_ptr, o_ptr, lse_ptr,
-    H, Hkv, G, Nq, Nk, Nc, D, C, W, q_offset, rows, n_row_blocks, NUM_SPLITS,
+    H, Hkv, G, Nq, Nk, Nc, D: tl.constexpr, C, W, q_offset, rows, n_row_blocks, NUM_SPLITS,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -187,29 +191,29 @@ def _eva_fwd(
 
     # summaries every row sees
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
-                            tl.maximum(blk_lo, 0), tl.minimum(nb_s_full, blk_hi), 0, Nc,
+                            tl.maximum(blk_lo, 0), tl.minimum(nb_s_full, blk_hi), 0, c_hi,
                             zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
                             True, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
     # summaries only some rows see
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
-                            tl.maximum(blk_lo, nb_s_full), tl.minimum(nb_s, blk_hi), 0, Nc,
+                            tl.maximum(blk_lo, nb_s_full), tl.minimum(nb_s, blk_hi), 0, c_hi,
                             zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
                             True, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
     # exact keys below start(t_max)
     lo_e = blk_lo - nb_s
     hi_e = blk_hi - nb_s
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-                            tl.maximum(lo_e, 0), tl.minimum(e_a, hi_e), st_min, Nk,
+                            tl.maximum(lo_e, 0), tl.minimum(e_a, hi_e), st_min, t_max + 1,
                             st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
                             False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
     # exact keys every row sees
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-                            tl.maximum(lo_e, e_a), tl.minimum(e_b, hi_e), st_min, Nk,
+                            tl.maximum(lo_e, e_a), tl.minimum(e_b, hi_e), st_min, t_max + 1,
                             st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
                             False, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
     # exact keys past t_min (the causal diagonal)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-                            tl.maximum(lo_e, e_b), tl.minimum(nb_e, hi_e), st_min, Nk,
+                            tl.maximum(lo_e, e_b), tl.minimum(nb_e, hi_e), st_min, t_max + 1,
                             st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
                             False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
 
@@ -229,7 +233,7 @@ def _eva_fwd(
 @triton.jit
 def _eva_combine(
     op_ptr, lp_ptr, o_ptr, lse_ptr,
-    R, H, Nq, D, NUM_SPLITS,
+    R, H, Nq, D: tl.constexpr, NUM_SPLITS,
     stride_ps, stride_ls,
     stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -361,8 +365,8 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
         bias_mode, bias_t, sb = (BIAS_LOG_COUNT if log_count else BIAS_NONE), q, (0, 0, 0)
 
     if splits > 1:
-        o_dst = torch.empty((splits, B, H, Nq, D), dtype=torch.float32, device=q.device)
-        l_dst = torch.empty((splits, B, H, Nq), dtype=torch.float32, device=q.device)
+        o_dst = new_output((splits, B, H, Nq, D), torch.float32, q.device)  # every element is written
+        l_dst = new_output((splits, B, H, Nq), torch.float32, q.device)
         so = o_dst.stride()
         sl = l_dst.stride()
     else:

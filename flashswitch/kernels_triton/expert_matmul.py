@@ -35,6 +35,8 @@ Tile schedule (config knobs):
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -105,9 +107,21 @@ def _expert_matmul_fwd(
     stride_ot, stride_og,
     grid_m, n_tiles_n, group_n, n_iter,
     ATOMIC: tl.constexpr, HAS_GATES: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERLEAVE: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    EVEN_K: tl.constexpr, DIV_K: tl.constexpr, DIV_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
+    # Alignment the host checked but the compiler cannot see when a size is not a multiple of 16
+    # (d_model 412, d_head 76): d_in and x's row strides are multiples of DIV_K; d_out, weight's
+    # and out's row strides multiples of DIV_N. It lets loads, stores and atomics use vectors.
+    d_in = (d_in // DIV_K) * DIV_K
+    stride_xt = (stride_xt // DIV_K) * DIV_K
+    stride_xg = (stride_xg // DIV_K) * DIV_K
+    d_out = (d_out // DIV_N) * DIV_N
+    stride_we = (stride_we // DIV_N) * DIV_N
+    stride_wk = (stride_wk // DIV_N) * DIV_N
+    stride_ot = (stride_ot // DIV_N) * DIV_N
+    stride_og = (stride_og // DIV_N) * DIV_N
+
     pid = tl.program_id(0)
     per_group = group_n * grid_m
     group = pid // per_group
@@ -183,6 +197,16 @@ def _pow2(name: str, v, lo: int = 16) -> int:
     return v
 
 
+def _pow2_divisor(*values: int, cap: int = 16) -> int:
+    """The largest power of two <= cap dividing every value (0 divides nothing away)."""
+    g = 0
+    for v in values:
+        g = math.gcd(g, int(v))
+    if g == 0:
+        return cap
+    return min(cap, g & -g)
+
+
 def _config(config, x3, weight, S, G_out, deterministic) -> dict:
     cfg = dict(config or {})
     if any(k not in cfg for k in _KEYS):
@@ -242,17 +266,20 @@ def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
     sg = gates.stride() if has_gates else (0, 0)
     dot_precision = "ieee" if x3.dtype == torch.float32 else "tf32"
     sw = weight.stride()
+    sx = (x3.stride(0), x3.stride(1) if G_in > 1 else 0)  # with one input group every slot reads group 0
     grid = (grid_m * n_tiles_n,)
     _expert_matmul_fwd[grid](
         x3, weight, g, route.token, route.slot, route.offsets, target,
         E, d_in, d_out, S // G_in, spg_out,
-        x3.stride(0), x3.stride(1),
+        sx[0], sx[1],
         sw[0], sw[1], sw[2],
         sg[0], sg[1],
         target.stride(0), target.stride(1),
         grid_m, n_tiles_n, group_n, n_iter,
         ATOMIC=atomic, HAS_GATES=has_gates, DOT_PRECISION=dot_precision, INTERLEAVE=interleave,
-        EVEN_K=d_in % BK == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_E=block_e,
+        EVEN_K=d_in % BK == 0, DIV_K=_pow2_divisor(d_in, sx[0], sx[1]),
+        DIV_N=_pow2_divisor(d_out, sw[0], sw[1], target.stride(0), target.stride(1)),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_E=block_e,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )
     if scratch is not None:

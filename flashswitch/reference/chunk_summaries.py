@@ -24,7 +24,7 @@ def numpy_chunk_summaries(k, v, chunk_size, *, omega=None, key_weight=None, vali
     B, H, N, D = k.shape
     C = chunk_size
     Nc = -(-N // C)
-    s = D ** -0.5 if scale is None else scale
+    s = (D ** -0.5 if D else 1.0) if scale is None else scale
     k_sum = np.zeros((B, H, Nc, D))
     v_sum = np.zeros((B, H, Nc, D))
     lse = np.full((B, H, Nc), -np.inf)
@@ -61,7 +61,7 @@ def torch_chunk_summaries(k, v, chunk_size, *, omega=None, key_weight=None, vali
     B, H, N, D = k.shape
     C = chunk_size
     Nc = -(-N // C)
-    s = D ** -0.5 if scale is None else scale
+    s = (D ** -0.5 if D else 1.0) if scale is None else scale
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     pad = Nc * C - N
     kc = torch.nn.functional.pad(k.to(acc), (0, 0, 0, pad)).view(B, H, Nc, C, D)
@@ -119,6 +119,6 @@ def random_problem(B=2, H=3, N=50, D=32, C=8, *, dtype=torch.float32, device="cp
         m = torch.rand(B, N, generator=g) > 0.3
         if N > C:  # one fully padded chunk and right padding, the cases that need care
             m[0, :C] = False
-            m[-1, -(N // 3):] = False
+            m[-1, N - N // 3:] = False
         kw["valid"] = m.to(device)
     return dict(k=k, v=v, chunk_size=C, **kw)

@@ -1,0 +1,162 @@
+"""Bad arguments give a TypeError/ValueError whose message names the offending argument.
+
+One section per op. Messages are matched on the argument's name at the start of the message
+(`match="^k "`), so an error about another argument cannot pass by accident.
+"""
+import pytest
+import torch
+
+from conftest import DEVICE
+import flashswitch
+
+HAS_GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+
+
+# ================================================================ op 1: chunk_summaries
+def _cs_args(B=2, H=3, N=10, D=8, C=4, dtype=torch.float32, device=DEVICE):
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(B, H, N, D, generator=g).to(dtype=dtype, device=device)
+    v = torch.randn(B, H, N, D, generator=g).to(dtype=dtype, device=device)
+    return k, v, C
+
+
+def _cs(**kw):
+    """chunk_summaries on a valid problem with the given arguments replaced."""
+    k, v, C = _cs_args()
+    args = dict(k=k, v=v, chunk_size=C)
+    args.update(kw)
+    k, v, C = args.pop("k"), args.pop("v"), args.pop("chunk_size")
+    return flashswitch.chunk_summaries(k, v, C, **args)
+
+
+def test_cs_valid_problem_runs():
+    k, v, C = _cs_args()
+    k_sum, v_sum = flashswitch.chunk_summaries(k, v, C)
+    assert k_sum.shape == v_sum.shape == (2, 3, 3, 8)
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_cs_not_a_tensor(name):
+    with pytest.raises(TypeError, match=f"^{name} "):
+        _cs(**{name: [[1.0]]})
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.float64])
+def test_cs_k_dtype(dtype):
+    k, v, C = _cs_args()
+    with pytest.raises(TypeError, match="^k "):
+        _cs(k=k.to(dtype), v=v.to(dtype))
+
+
+def test_cs_v_dtype_mismatch():
+    k, v, C = _cs_args()
+    with pytest.raises(TypeError, match="^v "):
+        _cs(v=v.half())
+    with pytest.raises(TypeError, match="^v "):
+        _cs(v=v.int())
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+@pytest.mark.parametrize("shape", [(3, 10, 8), (1, 2, 3, 10, 8), ()])
+def test_cs_ndim(name, shape):
+    k, v, C = _cs_args()
+    with pytest.raises(ValueError, match=f"^{name} "):
+        _cs(**{name: torch.randn(shape, device=DEVICE)})
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 11, 8), (2, 3, 10, 7), (1, 3, 10, 8), (2, 1, 10, 8)])
+def test_cs_v_shape(shape):
+    with pytest.raises(ValueError, match="^v "):
+        _cs(v=torch.randn(shape, device=DEVICE))
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (2, 8), (8,), (3, 1, 8), (2, 3, 2, 8), (2, 3, 3, 7), (1, 3, 3, 8),
+                                   (2, 3, 10, 8)])
+def test_cs_omega_shape(shape):
+    with pytest.raises(ValueError, match="^omega "):
+        _cs(omega=torch.randn(shape, device=DEVICE))
+
+
+def test_cs_omega_dtype_and_type():
+    with pytest.raises(TypeError, match="^omega "):
+        _cs(omega=torch.ones(3, 8, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="^omega "):
+        _cs(omega=[[0.0] * 8] * 3)
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (2, 8), (8,), (1, 3, 8)])
+def test_cs_key_weight_shape(shape):
+    with pytest.raises(ValueError, match="^key_weight "):
+        _cs(key_weight=torch.randn(shape, device=DEVICE))
+
+
+def test_cs_key_weight_dtype():
+    with pytest.raises(TypeError, match="^key_weight "):
+        _cs(key_weight=torch.ones(3, 8, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("shape", [(2, 11), (1, 10), (10,), (2, 1, 10)])
+def test_cs_valid_shape(shape):
+    with pytest.raises(ValueError, match="^valid "):
+        _cs(valid=torch.ones(shape, dtype=torch.bool, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.uint8])
+def test_cs_valid_dtype(dtype):
+    with pytest.raises(TypeError, match="^valid "):
+        _cs(valid=torch.ones(2, 10, dtype=dtype, device=DEVICE))
+
+
+@pytest.mark.parametrize("value,error", [(0, ValueError), (-3, ValueError), (4.0, TypeError), (True, TypeError),
+                                         (None, TypeError), ("4", TypeError)])
+def test_cs_chunk_size(value, error):
+    with pytest.raises(error, match="^chunk_size "):
+        _cs(chunk_size=value)
+
+
+@pytest.mark.parametrize("value", ["0.5", True, torch.tensor(0.5)])
+def test_cs_scale(value):
+    with pytest.raises(TypeError, match="^scale "):
+        _cs(scale=value)
+
+
+@pytest.mark.parametrize("name", ["k", "v", "omega", "key_weight"])
+def test_cs_last_dim_not_contiguous(name):
+    k, v, C = _cs_args()
+    full = {"k": k, "v": v, "omega": torch.randn(2, 3, 3, 8, device=DEVICE),
+            "key_weight": torch.randn(3, 8, device=DEVICE)}[name]
+    strided = full.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, last stride != 1
+    assert strided.stride(-1) != 1
+    with pytest.raises(ValueError, match=f"^{name} .*contiguous"):
+        _cs(**{name: strided})
+
+
+@pytest.mark.parametrize("backend", ["numpy", "Triton", "", None])
+def test_cs_unknown_backend(backend):
+    with pytest.raises(ValueError, match="^backend "):
+        _cs(backend=backend)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="CPU tensors only")
+@pytest.mark.parametrize("backend", ["cuda", "cupy"])
+def test_cs_gpu_backend_on_cpu(backend):
+    with pytest.raises(ValueError, match=f"^backend '{backend}' is not available"):
+        _cs(backend=backend)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["v", "omega", "key_weight", "valid"])
+def test_cs_device_mix(name):
+    k, v, C = _cs_args(device="cuda")
+    cpu = {"v": v.cpu(), "omega": torch.randn(3, 8), "key_weight": torch.randn(3, 8),
+           "valid": torch.ones(2, 10, dtype=torch.bool)}[name]
+    with pytest.raises(ValueError, match=f"^{name} .*device"):
+        _cs(**{"k": k, "v": v, name: cpu})
+
+
+@needs_gpu
+def test_cs_k_on_cpu_v_on_gpu():
+    k, v, C = _cs_args()
+    with pytest.raises(ValueError, match="^v "):
+        _cs(k=k.cpu(), v=v.cuda())
