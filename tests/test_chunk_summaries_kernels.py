@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import DEVICE, dtypes_here
+from conftest import DEVICE, dtypes_here, kernel_backends
 import flashswitch
 from flashswitch.autotune import space
 from flashswitch.ops import chunk_summaries as op
@@ -17,6 +17,7 @@ from flashswitch.testing import assert_close
 
 NAMES = ("k_sum", "v_sum", "lse")
 GPU = DEVICE == "cuda"
+needs_triton = pytest.mark.skipif("triton" not in kernel_backends(), reason="triton cannot run here")
 # hypothesis with the function-scoped `backend` fixture: the fixture does not change between examples
 with_fixture = settings(suppress_health_check=list(settings().suppress_health_check)
                         + [HealthCheck.function_scoped_fixture])
@@ -166,12 +167,34 @@ def test_explicit_configs(backend):
         configs = space.config_space(op.OP, backend, feats)
         assert configs and space.default_config(op.OP, backend, feats) in configs
         if not GPU and backend == "triton":  # the interpreter ignores warps and stages
-            configs = list({c["BLOCK_CHUNKS"]: c for c in configs}.values())
+            configs = list({(c["BLOCK_CHUNKS"], c.get("BLOCK_J")): c for c in configs}.values())
         for config in configs:
             try:
                 _check(op.run_kernel(backend, config, **p), p)
             except AssertionError as err:
                 raise AssertionError(f"config {config}: {err}") from err
+
+
+@needs_triton
+def test_config_from_another_shape():
+    """A tuned config looked up for a neighbouring bucket (another C or D) must still run correctly."""
+    p = random_problem(1, 2, 230, 76, 100, device=DEVICE, omega="head", key_weight=True, valid=True)
+    for config in ({"BLOCK_CHUNKS": 64, "num_warps": 1, "num_stages": 3}, {"BLOCK_CHUNKS": 2, "BLOCK_J": 128},
+                   {"BLOCK_CHUNKS": 1, "BLOCK_J": 4, "num_warps": 2}, {}):
+        _check(op.run_kernel("triton", config, **p), p)
+    with pytest.raises(ValueError, match="BLOCK_CHUNKS"):
+        op.run_kernel("triton", {"BLOCK_CHUNKS": 3}, **p)
+
+
+@needs_triton
+def test_64bit_offsets_path(monkeypatch):
+    """The 64-bit offset code (taken for heads past 2^31 elements) on a small problem."""
+    from flashswitch.kernels_triton import chunk_summaries as kernel
+    monkeypatch.setattr(kernel, "FORCE_OFFS_64", True)
+    for C in (5, 100):
+        p = random_problem(2, 2, 210, 12, C, device=DEVICE, omega="chunk", key_weight=True, valid=True,
+                           layout="strided")
+        _check(_run("triton", p), p)
 
 
 def test_outputs_are_fresh_and_typed(backend):

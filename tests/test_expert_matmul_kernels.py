@@ -141,6 +141,18 @@ def test_large_expert_count(backend):
         _check(_call(backend, p, config), p)
 
 
+@pytest.mark.parametrize("counts", [[16, 0, 32, 15, 17, 1], [0, 0, 81, 0], [1] * 9 + [40]])
+def test_tile_boundaries(backend, counts):
+    """Experts whose pair counts sit on, just below and just above 16-row tile edges, and empty ones."""
+    E = len(counts)
+    ids = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))]
+    p = random_problem(T=len(ids), S=1, E=E, d_in=24, d_out=20, device=DEVICE, seed=13)
+    p["expert_idx"] = ids.reshape(-1, 1).to(DEVICE)
+    for config in CONFIGS.values():
+        _check(_call(backend, p, config), p)
+
+
 def test_d_in_zero(backend):
     p = random_problem(T=6, S=2, E=3, d_in=0, d_out=5, G_out=1, device=DEVICE)
     y = _call(backend, p)
@@ -321,6 +333,18 @@ def test_reference_backend_is_differentiable():
     y = expert_matmul(x, route(p["expert_idx"], 3), p["weight"], gates=p["gates"], out_groups=1, backend="reference")
     y.sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_opcheck():
+    """Schema, fake-tensor and AOT-dispatch checks of the registered op (kernel backend where one runs)."""
+    from conftest import kernel_backends
+    backends = kernel_backends()
+    if not backends:
+        pytest.skip("no kernel backend here")
+    p = random_problem(T=9, S=4, E=3, d_in=8, d_out=6, G_out=2, device=DEVICE)
+    rt = route(p["expert_idx"], 3)
+    args = (p["x"].unsqueeze(1), p["weight"], p["gates"], rt.token, rt.slot, rt.offsets, 4, 2, False, backends[0])
+    torch.library.opcheck(op._expert_matmul_op, args)
 
 
 def test_fake_tensor_shapes():

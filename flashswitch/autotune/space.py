@@ -44,39 +44,56 @@ _ROUNDED = {
 
 # ---------------------------------------------------------------- op 1: chunk_summaries
 def _cs_triton_blocks(f: dict) -> tuple[int, int]:
-    """(BLOCK_J, BLOCK_D) of the Triton kernel: a chunk is read in pieces of at most 64 tokens."""
+    """(largest BLOCK_J, BLOCK_D) of the Triton kernel: a chunk is read in pieces of at most 64 tokens."""
     return min(next_pow2(f["C"]), 64), next_pow2(f["D"])
 
 
 def _cs_triton_space(f: dict) -> list[dict]:
-    # A program holds [BLOCK_CHUNKS, BLOCK_J, BLOCK_D] tiles of k and v; more than 64 elements of
-    # each per thread spills registers on sm_90. num_stages only matters when a chunk takes
-    # several BLOCK_J pieces (C > 64).
-    block_j, block_d = _cs_triton_blocks(f)
-    stages = (1, 2, 3) if f["C"] > block_j else (1,)
+    # A program holds [BLOCK_CHUNKS, BLOCK_J, BLOCK_D] tiles of k and v. More than 64 elements of
+    # each per thread spills registers on sm_90; one warp per program keeps every reduction inside
+    # the warp (no shared memory, no barriers), more warps split the chunk's tokens across warps.
+    # A BLOCK_J below the chunk size reads the chunk in pieces (online softmax). num_stages does
+    # not change this kernel (no loads feed a dot), so it stays 1.
+    bj_max, block_d = _cs_triton_blocks(f)
     out = []
-    for cb, w, s in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16), stages):
-        tile = cb * block_j * block_d
-        if tile > 64 * 32 * w or (w > 1 and tile < 32 * w * 2):
-            continue
-        out.append({"BLOCK_CHUNKS": cb, "num_warps": w, "num_stages": s})
+    for bj in sorted({bj_max} | {b for b in (8, 16, 32) if b < bj_max}):
+        for cb, w in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16)):
+            if cb > 1 and bj < bj_max:
+                continue
+            per_thread = cb * bj * block_d / (32 * w)
+            if per_thread > 64 or (w > 1 and per_thread < 16) or (w == 1 and cb > 1 and per_thread < 8 and
+                                                                   cb * bj * block_d > 64):
+                continue
+            cfg = {"BLOCK_CHUNKS": cb, "num_warps": w, "num_stages": 1}
+            if bj < bj_max:
+                cfg["BLOCK_J"] = bj
+            out.append(cfg)
     return out
 
 
 def _cs_triton_default(f: dict) -> dict:
-    # about 4096-element tiles, 32 elements per thread
-    block_j, block_d = _cs_triton_blocks(f)
-    cb = max(1, min(64, 4096 // (block_j * block_d)))
-    w = max(1, min(16, cb * block_j * block_d // 1024))
-    return {"BLOCK_CHUNKS": cb, "num_warps": w, "num_stages": 2 if f["C"] > block_j else 1}
+    # one warp per program with 2048-element tiles (64 per thread): short chunks are batched
+    # (BLOCK_CHUNKS), long ones read in BLOCK_J-token pieces
+    bj_max, block_d = _cs_triton_blocks(f)
+    bj = min(bj_max, max(1, 2048 // block_d))
+    cb = max(1, min(64, 2048 // (bj * block_d))) if bj == bj_max else 1
+    w = max(1, min(16, cb * bj * block_d // 2048))
+    cfg = {"BLOCK_CHUNKS": cb, "num_warps": w, "num_stages": 1}
+    if bj < bj_max:
+        cfg["BLOCK_J"] = bj
+    return cfg
 
 
 def _cs_cuda_space(f: dict) -> list[dict]:
-    return [{"threads": t, "unroll": u} for t in (64, 128, 256) for u in (1, 2, 4)]
+    # CUDA/CuPy kernel (kernels_cuda/chunk_summaries.cu): threads per block, rows of k and v loaded
+    # per lane group before use, and lane groups sharing one chunk (split; 0 = chosen at launch
+    # from the grid size, the default). More split only helps long chunks with few of them.
+    splits = [s for s in (1, 2, 4, 8) if s <= max(1, f["C"] // 2)]
+    return [{"threads": t, "unroll": u, "split": s} for t in (64, 128, 256) for u in (1, 2, 4) for s in splits]
 
 
 def _cs_cuda_default(f: dict) -> dict:
-    return {"threads": 128, "unroll": 2}
+    return {"threads": 128, "unroll": 4, "split": 0}
 
 
 # ---------------------------------------------------------------- op 2: eva_attention
@@ -129,7 +146,7 @@ def _eva_triton_default(f: dict) -> dict:
         cfg = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     # a short sliding window: smaller query tiles waste less of the ragged band of exact keys
     if f.get("window") == "sliding" and f.get("W", 1 << 30) < 4 * cfg["BLOCK_M"] and cfg["BLOCK_M"] > 64:
-        cfg.update(BLOCK_M=64, num_warps=4)
+        cfg.update(BLOCK_M=64)
     return cfg
 
 

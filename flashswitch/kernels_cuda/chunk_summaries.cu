@@ -388,9 +388,8 @@ extern "C" cudaError_t fs_chunk_summaries_plan_for(long long D, int elem_size, l
   const long long nvec = D / vec;
   const long long lanes = nvec < 32 ? ceil_pow2(nvec) : 32;
   const long long vpl = ceil_pow2((nvec + lanes - 1) / lanes);
-  const long long t = threads <= 0 ? 128 : floor_pow2(threads < 32 ? 32 : threads > FS_CS_MAX_THREADS
-                                                                             ? FS_CS_MAX_THREADS
-                                                                             : threads);
+  const long long t_in = threads < 32 ? 32 : threads > FS_CS_MAX_THREADS ? FS_CS_MAX_THREADS : threads;
+  const long long t = threads <= 0 ? 128 : floor_pow2(t_in);
   const long long u = unroll >= 4 ? 4 : unroll >= 2 ? 2 : 1;
   const long long R = 32 / lanes;
   const long long groups = t / 32 * R;  // per block

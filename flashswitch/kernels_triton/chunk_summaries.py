@@ -11,20 +11,23 @@ and lse = -inf.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from flashswitch._common import DTYPE_NAMES
 from flashswitch.autotune import space
 
 LOG2E = 1.4426950408889634
 MAX_BLOCK_J = 64
+MAX_PER_THREAD = 128  # elements of a k (or v) tile per thread a launch accepts
+FORCE_OFFS_64 = False  # 64-bit offsets even where 32 bits suffice (tests of that path)
 
 
 @triton.jit
-def _piece(k_ptr, v_ptr, valid_ptr, b, h, chunk, j0, N, C,
-           stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_valb, stride_valn,
+def _piece(k_base, v_base, valid_base, chunk, j0, N, C, stride_kn, stride_vn, stride_valn,
            om, kw, offs_j, offs_d, mask_d, qk_scale,
            m_v, s_v, acc_v, m_k, s_k, acc_k,
            HAS_OMEGA: tl.constexpr, HAS_KEY_WEIGHT: tl.constexpr, HAS_VALID: tl.constexpr,
@@ -36,18 +39,17 @@ def _piece(k_ptr, v_ptr, valid_ptr, b, h, chunk, j0, N, C,
     and acc_k = key sum for the mean (m_k unused).
     """
     j = j0 + offs_j                                               # [BJ]
-    tok = chunk[:, None] * C + j[None, :]                         # [BC, BJ] int64
+    tok = chunk[:, None] * C + j[None, :]                         # [BC, BJ], chunk's int type
     tmask = (j[None, :] < C) & (tok < N)                          # [BC, BJ]
     if HAS_VALID:
-        ok = tl.load(valid_ptr + b * stride_valb + tok * stride_valn, mask=tmask, other=0)
+        ok = tl.load(valid_base + tok * stride_valn, mask=tmask, other=0)
         tmask = tmask & (ok != 0)
     mask3 = tmask[:, :, None] & mask_d[None, None, :]             # [BC, BJ, BD]
     d3 = offs_d[None, None, :]
-    # every row starts at a multiple of VEC elements: lets odd D (76) use vector loads
-    krow = tl.multiple_of(b * stride_kb + h * stride_kh + tok * stride_kn, [VEC, VEC])
-    vrow = tl.multiple_of(b * stride_vb + h * stride_vh + tok * stride_vn, [VEC, VEC])
-    kk = tl.load(k_ptr + krow[:, :, None] + d3, mask=mask3, other=0.0).to(tl.float32)
-    vv = tl.load(v_ptr + vrow[:, :, None] + d3, mask=mask3, other=0.0).to(tl.float32)
+    krow = tok * stride_kn
+    vrow = tok * stride_vn
+    kk = tl.load(k_base + krow[:, :, None] + d3, mask=mask3, other=0.0).to(tl.float32)
+    vv = tl.load(v_base + vrow[:, :, None] + d3, mask=mask3, other=0.0).to(tl.float32)
     if HAS_VALID:  # padding may hold anything (inf, NaN): keep it out of every sum
         kk = tl.where(mask3, kk, 0.0)
         vv = tl.where(mask3, vv, 0.0)
@@ -92,7 +94,7 @@ def _chunk_summaries_fwd(
     stride_lb, stride_lh, stride_lc,
     qk_scale,
     HAS_OMEGA: tl.constexpr, HAS_KEY_WEIGHT: tl.constexpr, HAS_VALID: tl.constexpr,
-    ONE_PIECE: tl.constexpr, EVEN_D: tl.constexpr, VEC: tl.constexpr, VEC_OUT: tl.constexpr,
+    ONE_PIECE: tl.constexpr, EVEN_D: tl.constexpr, VEC: tl.constexpr, VEC_OUT: tl.constexpr, OFFS_64: tl.constexpr,
     D: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -101,7 +103,30 @@ def _chunk_summaries_fwd(
     b = bh // H
     h = bh - b * H
 
-    chunk = blk * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS).to(tl.int64)   # [BC]
+    # Every row of k, v, k_sum, v_sum starts at a multiple of VEC (VEC_OUT) elements (the launcher
+    # checks it). Rounding the strides down to such multiples is exact and lets the compiler see it,
+    # so odd D such as 76 still gets vector loads and stores.
+    stride_kb = stride_kb // VEC * VEC
+    stride_kh = stride_kh // VEC * VEC
+    stride_kn = stride_kn // VEC * VEC
+    stride_vb = stride_vb // VEC * VEC
+    stride_vh = stride_vh // VEC * VEC
+    stride_vn = stride_vn // VEC * VEC
+    stride_ksb = stride_ksb // VEC_OUT * VEC_OUT
+    stride_ksh = stride_ksh // VEC_OUT * VEC_OUT
+    stride_ksc = stride_ksc // VEC_OUT * VEC_OUT
+    stride_vsb = stride_vsb // VEC_OUT * VEC_OUT
+    stride_vsh = stride_vsh // VEC_OUT * VEC_OUT
+    stride_vsc = stride_vsc // VEC_OUT * VEC_OUT
+
+    # per-(b, h) bases in 64 bits; offsets inside one head in 32 bits unless they may overflow
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_vb + h * stride_vh
+    valid_base = valid_ptr + b * stride_valb
+    if OFFS_64:
+        chunk = blk * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS).to(tl.int64)   # [BC]
+    else:
+        chunk = blk.to(tl.int32) * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS)
     offs_j = tl.arange(0, BLOCK_J)
     offs_d = tl.arange(0, BLOCK_D)
     mask_c = chunk < Nc
@@ -111,7 +136,8 @@ def _chunk_summaries_fwd(
         mask_d = offs_d < D
 
     if HAS_OMEGA:
-        om = tl.load(om_ptr + b * stride_ob + h * stride_oh + chunk[:, None] * stride_oc + offs_d[None, :],
+        om_base = om_ptr + b * stride_ob + h * stride_oh
+        om = tl.load(om_base + chunk[:, None] * stride_oc + offs_d[None, :],
                      mask=mask_c[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
     else:
         om = tl.zeros([BLOCK_CHUNKS, BLOCK_D], dtype=tl.float32)
@@ -129,15 +155,13 @@ def _chunk_summaries_fwd(
 
     if ONE_PIECE:
         m_v, s_v, acc_v, m_k, s_k, acc_k = _piece(
-            k_ptr, v_ptr, valid_ptr, b, h, chunk, 0, N, C,
-            stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_valb, stride_valn,
+            k_base, v_base, valid_base, chunk, 0, N, C, stride_kn, stride_vn, stride_valn,
             om, kw, offs_j, offs_d, mask_d, qk_scale, m_v, s_v, acc_v, m_k, s_k, acc_k,
             HAS_OMEGA, HAS_KEY_WEIGHT, HAS_VALID, VEC)
     else:
         for j0 in range(0, C, BLOCK_J):
             m_v, s_v, acc_v, m_k, s_k, acc_k = _piece(
-                k_ptr, v_ptr, valid_ptr, b, h, chunk, j0, N, C,
-                stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_valb, stride_valn,
+                k_base, v_base, valid_base, chunk, j0, N, C, stride_kn, stride_vn, stride_valn,
                 om, kw, offs_j, offs_d, mask_d, qk_scale, m_v, s_v, acc_v, m_k, s_k, acc_k,
                 HAS_OMEGA, HAS_KEY_WEIGHT, HAS_VALID, VEC)
 
@@ -151,26 +175,39 @@ def _chunk_summaries_fwd(
                    float("-inf"))
 
     mask_o = mask_c[:, None] & mask_d[None, :]
-    ksrow = tl.multiple_of(b * stride_ksb + h * stride_ksh + chunk * stride_ksc, [VEC_OUT])
-    vsrow = tl.multiple_of(b * stride_vsb + h * stride_vsh + chunk * stride_vsc, [VEC_OUT])
-    tl.store(ks_ptr + ksrow[:, None] + offs_d[None, :], k_out.to(ks_ptr.dtype.element_ty), mask=mask_o)
-    tl.store(vs_ptr + vsrow[:, None] + offs_d[None, :], v_out.to(vs_ptr.dtype.element_ty), mask=mask_o)
+    ksrow = chunk * stride_ksc
+    vsrow = chunk * stride_vsc
+    ks_base = ks_ptr + b * stride_ksb + h * stride_ksh
+    vs_base = vs_ptr + b * stride_vsb + h * stride_vsh
+    tl.store(ks_base + ksrow[:, None] + offs_d[None, :], k_out.to(ks_ptr.dtype.element_ty), mask=mask_o)
+    tl.store(vs_base + vsrow[:, None] + offs_d[None, :], v_out.to(vs_ptr.dtype.element_ty), mask=mask_o)
     tl.store(lse_ptr + b * stride_lb + h * stride_lh + chunk * stride_lc, lse, mask=mask_c)
 
 
-def _vec(a, b, D) -> int:
-    """Largest power of two (at most 16 bytes' worth) dividing D and the row strides of a and b
-    (dims of size 1 are only ever indexed at 0)."""
-    g = math.gcd(D, *(st for t in (a, b) for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
+def _row_strides(t) -> tuple[int, ...]:
+    """The strides of all but the last dim, 0 for dims of size 1 (only ever indexed at 0)."""
+    return tuple(st if n > 1 else 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]))
+
+
+def _vec(strides, D, element_size) -> int:
+    """Largest power of two (at most 16 bytes' worth) dividing D and every one of `strides`."""
+    g = math.gcd(D, *strides)
     vec = 1
-    while vec * 2 * a.element_size() <= 16 and g % (vec * 2) == 0:
+    while vec * 2 * element_size <= 16 and g % (vec * 2) == 0:
         vec *= 2
     return vec
 
 
-def block_sizes(chunk_size: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_J, BLOCK_D) the kernel uses for this chunk size and head dim."""
-    return min(space.next_pow2(chunk_size), MAX_BLOCK_J), space.next_pow2(head_dim)
+def block_sizes(chunk_size: int, head_dim: int, config: Optional[dict] = None) -> tuple[int, int]:
+    """(BLOCK_J, BLOCK_D) for this chunk size and head dim: BLOCK_J is the config's (a power of two)
+    or min(next_pow2(C), 64), never more than next_pow2(C)."""
+    block_j = min(space.next_pow2(chunk_size), MAX_BLOCK_J)
+    if config and config.get("BLOCK_J"):
+        want = int(config["BLOCK_J"])
+        if want < 1 or want & (want - 1):
+            raise ValueError(f"config BLOCK_J must be a power of two >= 1, got {want}")
+        block_j = min(want, space.next_pow2(chunk_size))
+    return block_j, space.next_pow2(head_dim)
 
 
 def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, scale, config):
@@ -178,21 +215,28 @@ def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, sca
 
     k, v: [B, Hkv, N, D] with a unit last stride. omega: None or a [B, Hkv, Nc, D] view (stride 0 is
     fine). key_weight: None or [Hkv, D]. valid: None or bool [B, N] (any strides). config:
-    BLOCK_CHUNKS, num_warps, num_stages (missing keys take the heuristic default).
+    BLOCK_CHUNKS, optional BLOCK_J, num_warps, num_stages (missing keys take the heuristic default).
     """
     B, H, N, D = k.shape
     C = int(chunk_size)
     Nc = k_sum.shape[2]
     if B * H * Nc == 0 or D == 0:
         return
-    BLOCK_J, BLOCK_D = block_sizes(C, D)
     cfg = dict(config or {})
     if "BLOCK_CHUNKS" not in cfg:
-        feats = space.features("chunk_summaries", dtype="", D=D, C=C, rows=B * H * N)
+        feats = space.features("chunk_summaries", dtype=DTYPE_NAMES.get(k.dtype, ""), D=D, C=C, rows=B * H * N)
         cfg = {**space.default_config("chunk_summaries", "triton", feats), **cfg}
+    BLOCK_J, BLOCK_D = block_sizes(C, D, cfg)
     BLOCK_CHUNKS = int(cfg["BLOCK_CHUNKS"])
     if BLOCK_CHUNKS < 1 or BLOCK_CHUNKS & (BLOCK_CHUNKS - 1):
         raise ValueError(f"config BLOCK_CHUNKS must be a power of two >= 1, got {BLOCK_CHUNKS}")
+    num_warps = int(cfg.get("num_warps", 1))
+    # a config tuned for a neighbouring shape (other C or D) may not fit this one: shrink the tile
+    # to at most MAX_PER_THREAD elements per thread
+    while BLOCK_CHUNKS > 1 and BLOCK_CHUNKS * BLOCK_J * BLOCK_D > MAX_PER_THREAD * 32 * num_warps:
+        BLOCK_CHUNKS //= 2
+    while BLOCK_J > 1 and BLOCK_J * BLOCK_D > MAX_PER_THREAD * 32 * num_warps:
+        BLOCK_J //= 2
     n_blocks = triton.cdiv(Nc, BLOCK_CHUNKS)
 
     has_omega = omega is not None
@@ -208,18 +252,25 @@ def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, sca
     else:
         vl, sval = k, (0, 0)
 
+    sk, sv, sks, svs = (_row_strides(t) for t in (k, v, k_sum, v_sum))
+    # offsets inside one (b, h) (tokens, chunks, d, also on padded lanes) fit in int32?
+    chunks_pad = n_blocks * BLOCK_CHUNKS
+    tokens_pad = chunks_pad * C + BLOCK_J
+    reach = max(tokens_pad * max(sk[2], sv[2], sval[1]),
+                chunks_pad * max(so[2], sks[2], svs[2], lse.stride(2))) + BLOCK_D
+    offs_64 = FORCE_OFFS_64 or reach >= 2 ** 31 or N >= 2 ** 31
+
     grid = (n_blocks * B * H,)
     _chunk_summaries_fwd[grid](
         k, v, om, kw, vl, k_sum, v_sum, lse,
         H, N, Nc, C, n_blocks,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        so[0], so[1], so[2], skw, sval[0], sval[1],
-        k_sum.stride(0), k_sum.stride(1), k_sum.stride(2), v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
+        *sk, *sv, so[0], so[1], so[2], skw, sval[0], sval[1], *sks, *svs,
         lse.stride(0), lse.stride(1), lse.stride(2),
         float(scale) * LOG2E,
         HAS_OMEGA=has_omega, HAS_KEY_WEIGHT=has_kw, HAS_VALID=has_valid,
         ONE_PIECE=C <= BLOCK_J, EVEN_D=D == BLOCK_D,
-        VEC=_vec(k, v, D), VEC_OUT=_vec(k_sum, v_sum, D), D=D,
+        VEC=_vec(sk + sv, D, k.element_size()), VEC_OUT=_vec(sks + svs, D, k_sum.element_size()),
+        OFFS_64=offs_64, D=D,
         BLOCK_CHUNKS=BLOCK_CHUNKS, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D,
-        num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)),
+        num_warps=num_warps, num_stages=int(cfg.get("num_stages", 1)),
     )

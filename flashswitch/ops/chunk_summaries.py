@@ -13,6 +13,7 @@ from flashswitch import _common as C
 from flashswitch.autotune import space, store
 
 OP = "chunk_summaries"
+MAX_KERNEL_D = 256
 
 
 def _features(k: torch.Tensor, chunk_size: int, key_weight, valid) -> dict:
@@ -26,9 +27,11 @@ def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale
     k_sum = C.new_output((B, H, Nc, D), k.dtype, k.device)
     v_sum = C.new_output((B, H, Nc, D), v.dtype, v.device)
     lse = C.new_output((B, H, Nc), torch.float32, k.device)
-    if B * H * Nc * D == 0:
-        if lse.numel():
-            lse.fill_(float("-inf"))
+    if B * H * Nc == 0:
+        return k_sum, v_sum, lse
+    if D == 0:  # nothing to read: lse = log n_c, which the reference computes without a launch
+        from flashswitch.reference.chunk_summaries import torch_chunk_summaries
+        lse.copy_(torch_chunk_summaries(k, v, chunk_size, valid=valid, return_lse=True)[2])
         return k_sum, v_sum, lse
     if config is None:
         config = store.lookup(OP, backend, _features(k, chunk_size, key_weight, valid))
@@ -118,7 +121,12 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
     """
     scale = _validate(k, v, chunk_size, omega, key_weight, valid, scale)
     bucket = _features(k, chunk_size, key_weight, valid) if k.is_cuda else None
+    if k.shape[-1] > MAX_KERNEL_D and backend == "auto":
+        backend = "reference"
     backend = C.resolve_backend(OP, backend, k.device, bucket)
+    if backend != "reference" and k.shape[-1] > MAX_KERNEL_D:
+        raise ValueError(f"k has head dim D={k.shape[-1]}; the {backend} kernels support D <= {MAX_KERNEL_D} "
+                         f"(use backend='reference')")
     if backend == "reference":
         from flashswitch.reference.chunk_summaries import torch_chunk_summaries
         out = torch_chunk_summaries(k, v, chunk_size, omega=omega, key_weight=key_weight, valid=valid,

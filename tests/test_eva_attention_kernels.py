@@ -1,0 +1,497 @@
+"""Op 2 kernels (every kernel backend that can run here) against the fp64 NumPy oracle.
+
+`o` must be within 2x the error of the PyTorch reference in the same precision (plus the dtype's
+rounding floor) or within the SPEC's relative bound; `lse` is held to fp32 accuracy. Kernel outputs
+start as NaN (FLASHSWITCH_POISON), so an element a kernel forgets to write fails. Also: SPEC
+properties 1, 3, 5, 6, 7 on the kernels, the decode (split key range) path, explicit configs from
+the autotune space, inputs that must never be read, and the op's argument checks.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import DEVICE, dtypes_here
+from flashswitch.autotune import space
+from flashswitch.ops import eva_attention as op
+from flashswitch.ops.eva_attention import eva_attention
+from flashswitch.reference.chunk_summaries import torch_chunk_summaries
+from flashswitch.reference.eva_attention import (numpy_eva_attention, random_problem, start_position,
+                                                 torch_eva_attention)
+from flashswitch.testing import assert_close, rel_error
+
+GPU = DEVICE == "cuda"
+F32, F64 = torch.float32, torch.float64
+WINDOW = st.sampled_from(["block", "sliding"])
+BIAS = st.sampled_from([None, "log_count", "tensor"])
+# hypothesis with the function-scoped `backend` fixture: the fixture does not change between examples
+with_fixture = settings(suppress_health_check=list(settings().suppress_health_check)
+                        + [HealthCheck.function_scoped_fixture])
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}  # many tiles on tiny problems
+
+
+def _run(backend, p, scale=None, config=None):
+    if config is None:
+        return eva_attention(**p, scale=scale, return_lse=True, backend=backend)
+    return op.run_kernel(backend, config, **p, scale=scale)
+
+
+def _check(out, p, scale=None):
+    """Compare (o, lse) with the oracle; the torch reference in the same dtype is the baseline."""
+    dtype = p["q"].dtype
+    ref_o, ref_l = numpy_eva_attention(**p, scale=scale, return_lse=True)
+    base_o, base_l = torch_eva_attention(**p, scale=scale, return_lse=True)
+    o, lse = out
+    assert tuple(o.shape) == ref_o.shape and tuple(lse.shape) == ref_l.shape
+    assert o.dtype == dtype and lse.dtype == F32
+    assert o.device.type == DEVICE and lse.device.type == DEVICE
+    assert_close("o", o, ref_o, dtype, baseline=base_o)
+    assert_close("lse", lse, ref_l, F32, baseline=base_l)
+
+
+def _dense_causal(q, k, v, q_offset=None, scale=None):
+    """Exact causal softmax attention in fp64: (o, lse)."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    off = Nk - Nq if q_offset is None else q_offset
+    k = k.to(F64).repeat_interleave(H // Hkv, 1)
+    v = v.to(F64).repeat_interleave(H // Hkv, 1)
+    s = D ** -0.5 if scale is None else scale
+    logits = s * q.to(F64) @ k.transpose(-1, -2)
+    t = torch.arange(Nq, device=q.device)[:, None] + off
+    logits = logits.masked_fill(torch.arange(Nk, device=q.device)[None, :] > t, float("-inf"))
+    return torch.softmax(logits, -1) @ v, torch.logsumexp(logits, -1)
+
+
+@st.composite
+def problems(draw, mode=None):
+    """Keyword arguments of `random_problem`: window kinds, W / C in {1, 2, 8}, GQA, prefill /
+    chunked prefill / decode, every summary_bias mode, odd lengths and head dims, strided layouts."""
+    C = draw(st.sampled_from([1, 2, 3, 4] + ([16, 32] if GPU else [])))
+    W = C * draw(st.sampled_from([1, 2, 8] + ([32] if GPU else [])))
+    Hkv = draw(st.integers(1, 2))
+    G = draw(st.sampled_from([1, 2, 3] + ([4, 8] if GPU else [])))
+    Nk = draw(st.integers(1, 600 if GPU else 80))
+    mode = mode or draw(st.sampled_from(["prefill", "chunked", "decode"]))
+    if mode == "prefill":
+        Nq, q_offset = Nk, None
+    else:
+        Nq = draw(st.integers(1, Nk if mode == "chunked" else min(16, Nk)))
+        q_offset = draw(st.one_of(st.none(), st.integers(0, Nk - Nq)))
+    D = draw(st.sampled_from([3, 16, 40] + ([32, 64, 76, 128, 256] if GPU else [])))
+    return dict(B=draw(st.integers(1, 2)), H=Hkv * G, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, C=C, W=W,
+                window=draw(WINDOW), summary_bias=draw(BIAS), q_offset=q_offset,
+                layout=draw(st.sampled_from(["contiguous", "strided"])), dtype=draw(st.sampled_from(dtypes_here())),
+                seed=draw(st.integers(0, 999)))
+
+
+# ---------------------------------------------------------------- kernels vs the oracle
+@with_fixture
+@given(case=problems(), scale=st.sampled_from([None, 0.3]))
+def test_kernel_matches_reference(backend, case, scale):
+    p = random_problem(device=DEVICE, **case)
+    _check(_run(backend, p, scale), p, scale)
+
+
+@with_fixture
+@given(case=problems(mode="decode"), config=st.fixed_dictionaries(
+    {"NUM_SPLITS": st.sampled_from([0, 1, 2, 3, 7]), "PACK_GQA": st.booleans()}))
+def test_decode_matches_reference(backend, case, config):
+    p = random_problem(device=DEVICE, **case)
+    _check(_run(backend, p, config=dict(SMALL, **config)), p)
+
+
+@pytest.mark.parametrize("window", ["block", "sliding"])
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("bias", [None, "log_count", "tensor"])
+def test_every_tile_kind(backend, window, pack, bias):
+    """16 x 16 tiles on a long problem: summary blocks with and without masks, exact blocks below
+    start(t_max), fully visible ones and the causal diagonal all occur; q_offset is not tile aligned."""
+    p = random_problem(1, 4, 2, 90, 203, 16, 4, 32, window=window, summary_bias=bias, q_offset=101,
+                       device=DEVICE, seed=5)
+    _check(_run(backend, p, config=dict(SMALL, PACK_GQA=pack)), p)
+
+
+@pytest.mark.parametrize("Nq", [1, 5, 16])
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("pack", [False, True])
+def test_decode_splits(backend, Nq, splits, pack):
+    """The split key range (flash-decoding) with the combine pass, forced through explicit configs."""
+    p = random_problem(2, 6, 2, Nq, 150, 32, 4, 16, window="sliding", summary_bias="tensor", device=DEVICE,
+                       seed=Nq)
+    _check(_run(backend, p, config=dict(SMALL, NUM_SPLITS=splits, PACK_GQA=pack)), p)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_splits_agree_with_one_pass(backend, splits):
+    """A split key range merged by lse equals the single pass (SPEC property 6, inside the kernel)."""
+    p = random_problem(1, 4, 4, 37, 120, 16, 2, 8, summary_bias="log_count", device=DEVICE, seed=1)
+    o1, l1 = _run(backend, p, config=dict(SMALL, NUM_SPLITS=1))
+    o2, l2 = _run(backend, p, config=dict(SMALL, NUM_SPLITS=splits))
+    assert rel_error(o2, o1) < 1e-6 and rel_error(l2, l1) < 1e-6
+
+
+@pytest.mark.parametrize("D", [1, 3, 16, 40] + ([64, 76, 128, 256] if GPU else []))
+def test_head_dims(backend, D):
+    p = random_problem(1, 2, 1, None, 45, D, 3, 6, window="sliding", summary_bias="log_count", device=DEVICE)
+    _check(_run(backend, p), p)
+
+
+@pytest.mark.parametrize("dtype", dtypes_here())
+def test_dtypes(backend, dtype):
+    p = random_problem(2, 4, 2, None, 70, 32, 4, 16, summary_bias="tensor", dtype=dtype, device=DEVICE, seed=2)
+    _check(_run(backend, p), p)
+
+
+def test_strided_everything(backend):
+    """Non-contiguous q, k, v, summaries and bias (only the last dim is unit-stride)."""
+    p = random_problem(2, 4, 2, 20, 50, 16, 2, 8, window="sliding", layout="strided", device=DEVICE, seed=3)
+    g = torch.Generator().manual_seed(0)
+    p["q"] = torch.randn(2, 20, 4, 48, generator=g)[..., 8:24].transpose(1, 2).to(DEVICE)  # padded rows
+    p["summary_bias"] = torch.randn(25, 2, 2, generator=g).permute(2, 1, 0).to(DEVICE)
+    assert not p["q"].is_contiguous() and not p["summary_bias"].is_contiguous()
+    _check(_run(backend, p), p)
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float16, torch.bfloat16, F64])
+def test_bias_dtypes(backend, bias_dtype):
+    p = random_problem(1, 2, 1, None, 40, 16, 2, 4, summary_bias="tensor", device=DEVICE)
+    p["summary_bias"] = p["summary_bias"].to(bias_dtype)
+    _check(_run(backend, p), p)
+
+
+@pytest.mark.parametrize("Nc_delta", [-100, -3, 4])
+def test_summary_count_differs_from_ceil(backend, Nc_delta):
+    """Nc below ceil(Nk / C): later summaries are absent; above it: the extra ones are never seen."""
+    p = random_problem(1, 2, 2, None, 60, 16, 2, 4, summary_bias="tensor", device=DEVICE)
+    Nc = max(0, p["k_sum"].shape[2] + Nc_delta)
+    g = torch.Generator().manual_seed(1)
+    for name in ("k_sum", "v_sum"):
+        x = torch.randn(1, 2, Nc, 16, generator=g).to(DEVICE)
+        n = min(Nc, p[name].shape[2])
+        x[:, :, :n] = p[name][:, :, :n]
+        p[name] = x
+    p["summary_bias"] = torch.randn(1, 2, Nc, generator=g).to(DEVICE)
+    _check(_run(backend, p), p)
+
+
+@pytest.mark.parametrize("window", ["block", "sliding"])
+@pytest.mark.parametrize("G,Nq", [(1, 1), (4, 1), (2, 3)])
+def test_never_reads_outside_the_visible_range(backend, window, G, Nq):
+    """Decode from cache-like buffers: exact keys before start(first query) and after the last query,
+    and summaries past the last visible one, hold NaN (unused capacity); the output stays exact."""
+    C, W, Nk, cap = 4, 16, 77, 90
+    p = random_problem(1, 2 * G, 2, Nq, cap, 16, C, W, window=window, summary_bias="tensor", q_offset=Nk - Nq,
+                       device=DEVICE, seed=G)
+    first = start_position(Nk - Nq, chunk_size=C, window_size=W, window=window)
+    n_sum = start_position(Nk - 1, chunk_size=C, window_size=W, window=window) // C
+    for name in ("k", "v"):
+        p[name] = p[name].clone()
+        p[name][:, :, :first] = float("nan")
+        p[name][:, :, Nk:] = float("nan")
+    for name in ("k_sum", "v_sum", "summary_bias"):
+        p[name] = p[name].clone()
+        p[name][:, :, n_sum:] = float("nan")
+    out = _run(backend, p, config=dict(SMALL, NUM_SPLITS=3))
+    ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
+    assert_close("o", out[0], ref_o, F32)
+    assert_close("lse", out[1], ref_l, F32)
+
+
+def test_explicit_configs_from_the_space(backend):
+    """Configs of the tuning space (a spread of them on the CPU, all on a GPU) give correct answers."""
+    if backend != "triton":
+        pytest.skip("the space below is the triton one")
+    dtype = torch.float16
+    for decode in (False, True):
+        Nq = 9 if decode else None
+        p = random_problem(1, 4, 2, Nq, 300 if decode else 160, 32, 4, 32, window="sliding",
+                           summary_bias="log_count", dtype=dtype, device=DEVICE, seed=4)
+        cfgs = space.config_space("eva_attention", "triton", op.problem_features(**p))
+        assert cfgs and all("BLOCK_M" in c and "BLOCK_N" in c for c in cfgs)
+        if not GPU:
+            cfgs = cfgs[:: max(1, len(cfgs) // 4)]
+        for cfg in cfgs:
+            _check(op.run_kernel(backend, cfg, **p), p)
+
+
+def test_default_config_and_features():
+    p = random_problem(2, 4, 2, 3, 70, 64, 4, 16, window="sliding", dtype=torch.float16)
+    f = op.problem_features(**p)
+    assert f == dict(dtype="fp16", D=64, C=4, W=16, window="sliding", decode=True, rows=32, keys=64)
+    assert op.problem_features(**random_problem(1, 2, 2, None, 40, 16, 2, 4))["decode"] is False
+    for dtype in ("fp16", "bf16", "fp32"):
+        for D in (16, 64, 128, 256):
+            for decode in (False, True):
+                f = dict(dtype=dtype, D=D, C=16, W=256, window="block", decode=decode)
+                cfg = space.default_config("eva_attention", "triton", f)
+                assert {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} <= set(cfg)
+                assert ("NUM_SPLITS" in cfg) == decode
+                assert space._eva_triton_fits(f, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"],
+                                              cfg["num_stages"])
+                assert space.config_space("eva_attention", "triton", f)
+
+
+def test_auto_splits():
+    if not op.C.backend_available("triton", torch.device(DEVICE)):
+        pytest.skip("triton is not available")
+    from flashswitch.kernels_triton.eva_attention import auto_splits
+    assert auto_splits(programs=512, n_blocks=20, sms=132) == 1       # grid already fills the GPU
+    assert auto_splits(programs=16, n_blocks=1, sms=132) == 1         # nothing to split
+    s = auto_splits(programs=16, n_blocks=40, sms=132)
+    assert 2 <= s <= 40 and 16 * s <= 2 * 132
+    assert auto_splits(programs=2, n_blocks=5, sms=132) == 5          # at least one block per split
+
+
+# ---------------------------------------------------------------- edge sizes
+@pytest.mark.parametrize("B,H,Nq,Nk", [(0, 2, 3, 5), (1, 2, 0, 5), (1, 2, 0, 0), (1, 0, 3, 5), (1, 2, 1, 1)])
+def test_empty_and_tiny(backend, B, H, Nq, Nk):
+    Hkv = 1 if H else 0
+    q = torch.randn(B, H, Nq, 8, device=DEVICE)
+    k = torch.randn(B, Hkv, Nk, 8, device=DEVICE)
+    v = torch.randn(B, Hkv, Nk, 8, device=DEVICE)
+    ks = torch.randn(B, Hkv, -(-Nk // 2), 8, device=DEVICE)
+    p = dict(q=q, k=k, v=v, k_sum=ks, v_sum=ks.clone(), chunk_size=2, window_size=4)
+    o, lse = _run(backend, p)
+    assert o.shape == (B, H, Nq, 8) and lse.shape == (B, H, Nq)
+    if o.numel():
+        _check((o, lse), p)
+
+
+def test_zero_head_dim(backend):
+    p = random_problem(1, 2, 1, None, 9, 0, 2, 4, summary_bias="log_count", device=DEVICE)
+    o, lse = _run(backend, p)
+    assert o.shape == (1, 2, 9, 0)
+    ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
+    assert_close("lse", lse, ref_l, F32)
+
+
+# ---------------------------------------------------------------- SPEC properties on the kernels
+@pytest.mark.parametrize("window", ["block", "sliding"])
+@pytest.mark.parametrize("how", ["C=1", "W>=N"])
+def test_property_1_exact_causal(backend, window, how):
+    Nk = 50
+    C, W = (1, 8) if how == "C=1" else (4, 52)
+    for Nq in (Nk, 7):
+        p = random_problem(1, 4, 2, Nq, Nk, 16, C, W, window=window, device=DEVICE, seed=Nq)
+        o, lse = _run(backend, p, config=SMALL)
+        ref_o, ref_l = _dense_causal(p["q"], p["k"], p["v"])
+        assert_close("o", o, ref_o, F32)
+        assert_close("lse", lse, ref_l, F32)
+
+
+@pytest.mark.parametrize("window", ["block", "sliding"])
+def test_property_3_causality(backend, window):
+    Nk, C, W = 70, 2, 8
+    p = random_problem(1, 2, 1, None, Nk, 16, C, W, window=window, summary_bias="log_count", device=DEVICE)
+    g = torch.Generator().manual_seed(0)
+    for tau in (1, 33, 64):
+        q, k, v = (p[n].clone() for n in ("q", "k", "v"))
+        for x in (q, k, v):
+            x[:, :, tau:] = (torch.randn(x[:, :, tau:].shape, generator=g) * 10).to(DEVICE)
+        k_sum, v_sum = torch_chunk_summaries(k, v, C)
+        o_a, l_a = _run(backend, p, config=SMALL)
+        o_b, l_b = _run(backend, dict(p, q=q, k=k, v=v, k_sum=k_sum, v_sum=v_sum), config=SMALL)
+        assert rel_error(o_b[:, :, :tau], o_a[:, :, :tau]) < 1e-6
+        assert rel_error(l_b[:, :, :tau], l_a[:, :, :tau]) < 1e-6
+
+
+@pytest.mark.parametrize("window", ["block", "sliding"])
+def test_property_5_equal_keys_and_log_count(backend, window):
+    Nk, C, W = 61, 4, 8
+    p = random_problem(2, 2, 1, None, Nk, 16, C, W, window=window, summary_bias="log_count", device=DEVICE)
+    k = p["k"][:, :, ::C].repeat_interleave(C, 2)[:, :, :Nk].contiguous()
+    k_sum, v_sum = torch_chunk_summaries(k, p["v"], C)
+    p.update(k=k, k_sum=k_sum, v_sum=v_sum)
+    o, lse = _run(backend, p, config=SMALL)
+    ref_o, ref_l = _dense_causal(p["q"], k, p["v"])
+    assert_close("o", o, ref_o, F32)
+    assert_close("lse", lse, ref_l, F32)
+
+
+def test_property_6_merge_by_lse(backend):
+    """Exact keys + summaries S1 (A) and exact keys + the other summaries S2 (B), each switched off by
+    a -inf bias, merged with the exact-only part E by lse (inclusion-exclusion) give the whole."""
+    p = random_problem(1, 4, 2, None, 90, 16, 2, 16, summary_bias="tensor", device=DEVICE, seed=6)
+    bias = p["summary_bias"]
+    g = torch.Generator().manual_seed(6)
+    in_s1 = (torch.rand(bias.shape, generator=g) < 0.5).to(DEVICE)
+    off = torch.full_like(bias, float("-inf"))
+    parts = [_run(backend, dict(p, summary_bias=torch.where(m, bias, off)), config=SMALL)
+             for m in (in_s1, ~in_s1, torch.zeros_like(in_s1))]
+    o, lse = _run(backend, p, config=SMALL)
+    (oa, la), (ob, lb), (oe, le) = [(x.to(F64), y.to(F64)) for x, y in parts]
+    wa, wb, we = (torch.exp(x - lse.to(F64))[..., None] for x in (la, lb, le))
+    merged_l = lse.to(F64) + torch.log(wa + wb - we)[..., 0]
+    merged_o = wa * oa + wb * ob - we * oe
+    assert rel_error(merged_o, o) < 1e-5 and rel_error(merged_l, lse) < 1e-5
+    ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
+    assert_close("o", o, ref_o, F32)
+    assert_close("lse", lse, ref_l, F32)
+
+
+def test_property_7_scale_invariance(backend):
+    p = random_problem(1, 4, 2, None, 50, 16, 2, 8, window="sliding", summary_bias="tensor", device=DEVICE)
+    o, lse = _run(backend, p, scale=0.3, config=SMALL)
+    for alpha in (2.0, -0.5):
+        o2, l2 = _run(backend, dict(p, q=alpha * p["q"]), scale=0.3 / alpha, config=SMALL)
+        assert rel_error(o2, o) < 1e-5 and rel_error(l2, lse) < 1e-5
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_property_7_gqa_equals_repeated_kv(backend, pack):
+    p = random_problem(2, 6, 2, 20, 50, 16, 2, 8, summary_bias="tensor", device=DEVICE)
+    r = {n: p[n].repeat_interleave(3, 1) for n in ("k", "v", "k_sum", "v_sum", "summary_bias")}
+    o, lse = _run(backend, p, config=dict(SMALL, PACK_GQA=pack))
+    o2, l2 = _run(backend, dict(p, **r), config=SMALL)
+    assert rel_error(o2, o) < 1e-6 and rel_error(l2, lse) < 1e-6
+
+
+def test_property_7_permutations(backend):
+    p = random_problem(3, 4, 2, None, 30, 16, 2, 4, summary_bias="tensor", device=DEVICE)
+    pb, pk = torch.tensor([2, 0, 1], device=DEVICE), torch.tensor([1, 0], device=DEVICE)
+    ph = torch.tensor([3, 2, 1, 0], device=DEVICE)  # kv groups {0,1} -> {1,0}, heads reversed inside
+    perm = {n: p[n][pb][:, pk] for n in ("k", "v", "k_sum", "v_sum", "summary_bias")}
+    perm["q"] = p["q"][pb][:, ph]
+    o, lse = _run(backend, p)
+    o2, l2 = _run(backend, dict(p, **perm))
+    assert rel_error(o2, o[pb][:, ph]) < 1e-6 and rel_error(l2, lse[pb][:, ph]) < 1e-6
+
+
+def test_queries_are_rows_of_the_prefill(backend):
+    """Decode (Nq = 1) and chunked prefill give the matching rows of the full prefill."""
+    full = random_problem(1, 4, 2, None, 57, 16, 4, 16, window="sliding", summary_bias="log_count", device=DEVICE)
+    o_full, l_full = _run(backend, full)
+    for Nq, start in [(1, 56), (1, 20), (5, 40), (16, 0), (30, 11)]:
+        p = dict(full, q=full["q"][:, :, start:start + Nq], q_offset=start)
+        o, lse = _run(backend, p)
+        assert rel_error(o, o_full[:, :, start:start + Nq]) < 1e-6
+        assert rel_error(lse, l_full[:, :, start:start + Nq]) < 1e-6
+
+
+# ---------------------------------------------------------------- custom op
+def test_custom_op_fake_and_schema(backend):
+    p = random_problem(1, 2, 1, 4, 12, 16, 2, 4, summary_bias="tensor", device=DEVICE)
+    args = (p["q"], p["k"], p["v"], p["k_sum"], p["v_sum"], p["summary_bias"], 2, 4, "block", 0.25, 8, False,
+            backend)
+    torch.library.opcheck(op._eva_attention_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_reference_backend_is_differentiable():
+    p = random_problem(1, 2, 1, 3, 8, 4, 2, 4)
+    q = p["q"].clone().requires_grad_()
+    o = eva_attention(**dict(p, q=q), backend="reference")
+    o.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+# ---------------------------------------------------------------- bad inputs (op 2)
+def _valid(**kw):
+    return random_problem(1, 4, 2, None, 12, 8, 2, 4, **kw)
+
+
+BAD = [
+    ("window_size", dict(window_size=6, chunk_size=4), ValueError, "multiple of chunk_size"),
+    ("window below chunk", dict(window_size=2, chunk_size=4), ValueError, "multiple of chunk_size"),
+    ("window_size zero", dict(window_size=0), ValueError, "window_size"),
+    ("chunk_size zero", dict(chunk_size=0), ValueError, "chunk_size"),
+    ("chunk_size float", dict(chunk_size=2.0), TypeError, "chunk_size"),
+    ("window string", dict(window="global"), ValueError, "window must be one of"),
+    ("window type", dict(window=None), ValueError, "window must be one of"),
+    ("q_offset negative", dict(q_offset=-1), ValueError, "q_offset"),
+    ("q_offset too large", dict(q_offset=1), ValueError, "q_offset"),
+    ("q_offset bool", dict(q_offset=True), TypeError, "q_offset"),
+    ("q_offset float", dict(q_offset=0.0), TypeError, "q_offset"),
+    ("bias string", dict(summary_bias="count"), ValueError, "summary_bias"),
+    ("bias type", dict(summary_bias=1.0), TypeError, "summary_bias"),
+    ("bias shape", dict(summary_bias=torch.zeros(1, 2, 5)), ValueError, "summary_bias"),
+    ("bias heads", dict(summary_bias=torch.zeros(1, 4, 6)), ValueError, "summary_bias"),
+    ("bias dtype", dict(summary_bias=torch.zeros(1, 2, 6, dtype=torch.int32)), TypeError, "summary_bias"),
+    ("scale", dict(scale="big"), TypeError, "scale"),
+]
+
+
+@pytest.mark.parametrize("name,change,error,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_arguments(name, change, error, match):
+    p = _valid()
+    p.update(change)
+    with pytest.raises(error, match=match):
+        eva_attention(**p)
+
+
+def _tensor_change(p, name, value):
+    p = dict(p)
+    p[name] = value
+    return p
+
+
+BAD_TENSORS = [
+    ("heads", lambda p: _tensor_change(p, "q", torch.randn(1, 3, 12, 8)), ValueError, "multiple of the kv heads"),
+    ("q ndim", lambda p: _tensor_change(p, "q", torch.randn(4, 12, 8)), ValueError, "q must have 4 dims"),
+    ("k ndim", lambda p: _tensor_change(p, "k", torch.randn(2, 12, 8)), ValueError, "k must have 4 dims"),
+    ("v shape", lambda p: _tensor_change(p, "v", torch.randn(1, 2, 11, 8)), ValueError, "v has shape"),
+    ("k head dim", lambda p: _tensor_change(p, "k", torch.randn(1, 2, 12, 4)), ValueError, "k has shape"),
+    ("k batch", lambda p: _tensor_change(p, "k", torch.randn(2, 2, 12, 8)), ValueError, "k has shape"),
+    ("k_sum shape", lambda p: _tensor_change(p, "k_sum", torch.randn(1, 2, 6, 4)), ValueError, "k_sum has shape"),
+    ("v_sum shape", lambda p: _tensor_change(p, "v_sum", torch.randn(1, 2, 5, 8)), ValueError, "v_sum has shape"),
+    ("k dtype", lambda p: _tensor_change(p, "k", p["k"].half()), TypeError, "k has dtype"),
+    ("v_sum dtype", lambda p: _tensor_change(p, "v_sum", p["v_sum"].double()), TypeError, "v_sum has dtype"),
+    ("q int", lambda p: _tensor_change(p, "q", p["q"].int()), TypeError, "q has dtype"),
+    ("q list", lambda p: _tensor_change(p, "q", [[1.0]]), TypeError, "q must be a torch.Tensor"),
+    ("q last dim", lambda p: _tensor_change(p, "q", torch.randn(1, 4, 8, 12).transpose(-1, -2)), ValueError,
+     "q must be contiguous in its last dim"),
+    ("more queries than keys", lambda p: _tensor_change(p, "q", torch.randn(1, 4, 13, 8)), ValueError, "queries"),
+]
+
+
+@pytest.mark.parametrize("name,make,error,match", BAD_TENSORS, ids=[b[0] for b in BAD_TENSORS])
+def test_bad_tensors(name, make, error, match):
+    with pytest.raises(error, match=match):
+        eva_attention(**make(_valid()))
+
+
+def test_head_dim_too_large_for_triton():
+    if not op.C.backend_available("triton", torch.device(DEVICE)):
+        pytest.skip("triton is not available")
+    p = random_problem(1, 1, 1, None, 4, 264, 2, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="head dim"):
+        eva_attention(**p, backend="triton")
+
+
+@pytest.mark.gpu
+def test_device_mix():
+    p = _valid(device="cuda")
+    p["k_sum"] = p["k_sum"].cpu()
+    with pytest.raises(ValueError, match="k_sum is on"):
+        eva_attention(**p)
+
+
+# ---------------------------------------------------------------- larger shapes (GPU only)
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,C,W", [("block", 16, 2048), ("sliding", 32, 256), ("block", 32, 256)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_long_sequences(backend, window, C, W, dtype):
+    N = 4096 + 17
+    p = random_problem(1, 4, 2, None, N, 128, C, W, window=window, summary_bias="log_count", dtype=dtype,
+                       device=DEVICE)
+    o, lse = _run(backend, p)
+    base_o, base_l = torch_eva_attention(**p, return_lse=True)
+    ref_o, ref_l = torch_eva_attention(**{**p, **{n: p[n].double() for n in ("q", "k", "v", "k_sum", "v_sum")}},
+                                       return_lse=True)
+    assert_close("o", o, ref_o, dtype, baseline=base_o)
+    assert_close("lse", lse, ref_l, F32, baseline=base_l)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hkv", [16, 4])
+def test_long_decode(backend, Hkv):
+    """One query at position 32767 of a 32k cache: 256 exact keys + 1016 summaries per head."""
+    p = random_problem(4, 16, Hkv, 1, 32768, 128, 32, 256, dtype=torch.bfloat16, device=DEVICE)
+    o, lse = _run(backend, p)
+    base_o, base_l = torch_eva_attention(**p, return_lse=True)
+    ref_o, ref_l = torch_eva_attention(**{**p, **{n: p[n].double() for n in ("q", "k", "v", "k_sum", "v_sum")}},
+                                       return_lse=True)
+    assert_close("o", o, ref_o, torch.bfloat16, baseline=base_o)
+    assert_close("lse", lse, ref_l, F32, baseline=base_l)
+    assert math.isfinite(float(lse.sum()))
