@@ -72,7 +72,7 @@ def problems(draw, mode=None):
     W = C * draw(st.sampled_from([1, 2, 8] + ([32] if GPU else [])))
     Hkv = draw(st.integers(1, 2))
     G = draw(st.sampled_from([1, 2, 3] + ([4, 8] if GPU else [])))
-    Nk = draw(st.integers(1, 600 if GPU else 80))
+    Nk = draw(st.integers(1, 300 if GPU else 80))  # the oracle loops over queries in Python
     mode = mode or draw(st.sampled_from(["prefill", "chunked", "decode"]))
     if mode == "prefill":
         Nq, q_offset = Nk, None
@@ -487,7 +487,7 @@ def test_long_sequences(backend, window, C, W, dtype):
 @pytest.mark.parametrize("Hkv", [16, 4])
 def test_long_decode(backend, Hkv):
     """One query at position 32767 of a 32k cache: 256 exact keys + 1016 summaries per head."""
-    p = random_problem(4, 16, Hkv, 1, 32768, 128, 32, 256, dtype=torch.bfloat16, device=DEVICE)
+    p = random_problem(2, 16, Hkv, 1, 32768, 128, 32, 256, dtype=torch.bfloat16, device=DEVICE)
     o, lse = _run(backend, p)
     base_o, base_l = torch_eva_attention(**p, return_lse=True)
     ref_o, ref_l = torch_eva_attention(**{**p, **{n: p[n].double() for n in ("q", "k", "v", "k_sum", "v_sum")}},

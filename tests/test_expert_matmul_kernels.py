@@ -111,6 +111,8 @@ def test_fp32_master_weights(backend, dtype):
                        device=DEVICE, seed=2)
     for det in (False, True):
         _check(_call(backend, p, deterministic=det), p)
+    q = dict(p, gates=p["gates"].float())  # gates in another float dtype than x
+    _check(_call(backend, q), q)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])

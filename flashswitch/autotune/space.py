@@ -163,11 +163,14 @@ def _em_facts(f: dict) -> dict:
                 elt=4 if f["dtype"] == "fp32" else 2)
 
 
-def _em_group_n(f: dict, bn: int) -> int:
-    """Column tiles per sweep: all of them, unless atomics target an fp32 accumulator larger than
-    the L2 budget; then a slice [T, G_out, GROUP_N * BLOCK_N] of it is finished before the next."""
+def _em_group_n(f: dict, bn: int, interleave: bool = False) -> int:
+    """Column tiles per sweep: all of them (the gathered A rows of a row tile are then read once from
+    memory), unless atomics hit an fp32 accumulator larger than the L2 budget at random rows (expert-
+    major order); then a slice [T, G_out, GROUP_N * BLOCK_N] of it is finished before the next. The
+    interleaved order already keeps the live rows of the accumulator to a narrow window."""
     n_tiles = -(-f["d_out"] // bn)
-    if not _em_facts(f)["atomic"] or f["tokens"] * f["G_out"] * f["d_out"] * 4 <= _EM_L2_BUDGET:
+    if (interleave or not _em_facts(f)["atomic"]
+            or f["tokens"] * f["G_out"] * f["d_out"] * 4 <= _EM_L2_BUDGET):
         return n_tiles
     return max(1, min(n_tiles, _EM_L2_BUDGET // (f["tokens"] * f["G_out"] * bn * 4)))
 
@@ -204,13 +207,10 @@ def _em_triton_space(f: dict) -> list[dict]:
         for s in ((2,) if bk >= f["d_in"] else (3, 4)):
             if not _em_triton_fits(f, bm, bn, bk, w, s):
                 continue
-            gn, il = _em_group_n(f, bn), _em_interleave(f, bm)
-            schedules = {(gn, il)}
-            n_tiles = -(-f["d_out"] // bn)
-            if gn < n_tiles:
-                schedules.add((n_tiles, il))
+            il = _em_interleave(f, bm)
+            schedules = {(_em_group_n(f, bn, il), il), (_em_group_n(f, bn, False), il)}
             if f["E"] <= 64:
-                schedules.add((gn, not il))
+                schedules |= {(_em_group_n(f, bn, not il), not il), (_em_group_n(f, bn, False), not il)}
             for g, i in sorted(schedules):
                 out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": g, "INTERLEAVE": i,
                             "num_warps": w, "num_stages": s})
@@ -228,8 +228,9 @@ def _em_triton_default(f: dict) -> dict:
     bk = min(32 if fp32 else 64, max(16, next_pow2(f["d_in"])))
     w = 8 if bm * bn >= 16384 else 4
     s = 2 if bk >= f["d_in"] else (3 if bm * bn >= 16384 or fp32 else 4)
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": _em_group_n(f, bn),
-            "INTERLEAVE": _em_interleave(f, bm), "num_warps": w, "num_stages": s}
+    il = _em_interleave(f, bm)
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": _em_group_n(f, bn, il), "INTERLEAVE": il,
+            "num_warps": w, "num_stages": s}
 
 # ---------------------------------------------------------------- registry
 SPACES = {

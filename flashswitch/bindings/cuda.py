@@ -61,3 +61,55 @@ def chunk_summaries(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_
 
 
 __all__ = ["available", "unavailable_reason", "chunk_summaries", "chunk_summaries_config", "CS_DEFAULTS"]
+
+
+# ---------------------------------------------------------------- op 3: expert_matmul
+def expert_matmul_config(config: Optional[dict]) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, GROUP_N) of an op-3 config dict; a missing key is 0, the launcher's default
+    (BLOCK_M 64, BLOCK_N from d_out, all column tiles per sweep). The launchers round tiles to 32, 64
+    or 128 with BLOCK_M * BLOCK_N <= 8192; other keys (Triton's BLOCK_K, num_warps, ...) are ignored."""
+    cfg = config or {}
+    return int(cfg.get("BLOCK_M") or 0), int(cfg.get("BLOCK_N") or 0), int(cfg.get("GROUP_N") or 0)
+
+
+def expert_matmul(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config=None):
+    """Op 3 (SPEC.md): fill y [T, G_out, d_out] (x's dtype) over the expert-sorted pairs of `route`.
+
+    x3: [T, G_in, d_in], last dim contiguous; weight: [E, d_in, d_out], any strides, x's dtype or fp32
+    with fp16/bf16 x; gates: None or [T, S]. Same signature as the Triton and CuPy launchers."""
+    err = _load_error()
+    if err is not None:
+        raise RuntimeError(f"flashswitch._C is not usable: {err}")
+    if not hasattr(torch.ops.flashswitch_C, "expert_matmul_fwd"):
+        raise RuntimeError("flashswitch._C was built without expert_matmul_fwd; rebuild the extension")
+    if x3.dim() != 3 or x3.shape[1] != G_in:
+        raise ValueError(f"expert_matmul: x3 must be [T, G_in={G_in}, d_in], got shape {tuple(x3.shape)}")
+    block_m, block_n, group_n = expert_matmul_config(config)
+    torch.ops.flashswitch_C.expert_matmul_fwd(x3, weight, gates, route.token, route.slot, route.offsets, y,
+                                              int(route.S), int(G_out), bool(deterministic), block_m, block_n,
+                                              group_n)
+
+
+__all__ += ["expert_matmul", "expert_matmul_config"]
+
+
+# ---------------------------------------------------------------- op 2: eva_attention
+def eva_attention(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sliding, scale, q_offset,
+                  log_count, config=None):
+    """Op 2 (SPEC.md): fill o [B, H, Nq, D] (q's dtype) and lse fp32 [B, H, Nq] (natural log).
+
+    q: [B, H, Nq, D]; k, v: [B, Hkv, Nk, D]; k_sum, v_sum: [B, Hkv, Nc, D]; last dims contiguous, other
+    strides free. bias: None or an fp32 [B, Hkv, Nc] tensor (any strides); log_count: log n_c as the
+    summary bias. The kernel has no tuning knobs: config is accepted and unused. Same signature as the
+    Triton and CuPy launchers."""
+    err = _load_error()
+    if err is not None:
+        raise RuntimeError(f"flashswitch._C is not usable: {err}")
+    if not hasattr(torch.ops.flashswitch_C, "eva_attention_fwd"):
+        raise RuntimeError("flashswitch._C was built without eva_attention_fwd; rebuild the extension")
+    torch.ops.flashswitch_C.eva_attention_fwd(q, k, v, k_sum, v_sum, bias, o, lse, int(chunk_size),
+                                              int(window_size), bool(sliding), float(scale), int(q_offset),
+                                              bool(log_count))
+
+
+__all__ += ["eva_attention"]

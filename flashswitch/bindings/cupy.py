@@ -285,3 +285,255 @@ def chunk_summaries(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_
 
 __all__ = ["available", "unavailable_reason", "chunk_summaries", "plan", "alignment", "Plan", "kernel", "launch",
            "source", "source_hash", "compile_options", "KERNEL_DIR"]
+
+
+# ---------------------------------------------------------------- op 3: expert_matmul
+# FS_EM_* in kernels_cuda/expert_matmul.h
+EM_THREADS = 128
+EM_MIN_TILE = 32
+EM_MAX_TILE = 128
+EM_MAX_TILE_ELEMS = 8192
+EM_FINISH_THREADS = 256
+EM_FINISH_MAX_GRID = 65536
+EM_STORE, EM_STORE_F32, EM_ATOMIC = 0, 1, 2
+
+
+class ExpertMatmulPlan(NamedTuple):
+    """Launch shape of the op-3 kernels (fields as in fs_expert_matmul_plan)."""
+    block_m: int
+    block_n: int
+    mode: int
+    grid_m: int
+    n_tiles_n: int
+    group_n: int
+    tiles: int
+    grid: int
+    workspace_elems: int
+    finish_grid: int
+
+
+def expert_matmul_plan(T: int, S: int, E: int, G_out: int, d_out: int, deterministic: bool, block_m: int,
+                       block_n: int, group_n: int) -> ExpertMatmulPlan:
+    """Mirror of fs_expert_matmul_plan_for (kernels_cuda/expert_matmul.cu), line for line."""
+    if T < 0 or S < 1 or E < 1 or G_out < 1 or S % G_out or d_out < 0:
+        raise ValueError(f"expert_matmul: unsupported sizes (T={T}, S={S}, E={E}, G_out={G_out}, d_out={d_out})")
+    clamp = lambda v: min(max(v, EM_MIN_TILE), EM_MAX_TILE)  # noqa: E731
+    bm = 64 if block_m <= 0 else clamp(_floor_pow2(block_m))
+    bn_fit = _ceil_pow2(d_out)  # BLOCK_N never wider than d_out needs
+    bn = clamp(min(bn_fit if block_n <= 0 else _floor_pow2(block_n), bn_fit))
+    while bm * bn > EM_MAX_TILE_ELEMS:
+        if bn >= bm:
+            bn //= 2
+        else:
+            bm //= 2
+    P = T * S
+    grid_m = (P + bm - 1) // bm + min(E, P)
+    n_tiles_n = (d_out + bn - 1) // bn
+    gn = n_tiles_n if group_n <= 0 else min(group_n, n_tiles_n)
+    gn = max(gn, 1)
+    tiles = grid_m * n_tiles_n
+    mode = EM_STORE if G_out == S else EM_STORE_F32 if deterministic else EM_ATOMIC
+    out_elems = T * G_out * d_out
+    ws = out_elems if mode == EM_ATOMIC else P * d_out if mode == EM_STORE_F32 else 0
+    fg = 0 if mode == EM_STORE else (out_elems + EM_FINISH_THREADS - 1) // EM_FINISH_THREADS
+    return ExpertMatmulPlan(bm, bn, mode, grid_m, n_tiles_n, gn, tiles, min(tiles, 0x7FFFFFFF), ws,
+                            min(fg, EM_FINISH_MAX_GRID))
+
+
+def expert_matmul(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config=None):
+    """Op 3 (SPEC.md), same contract as bindings.cuda.expert_matmul."""
+    from flashswitch.bindings.cuda import expert_matmul_config
+
+    if not isinstance(x3, torch.Tensor) or x3.dim() != 3 or not x3.is_cuda or x3.dtype not in DTYPE_CODES:
+        raise ValueError("expert_matmul: x3 must be a CUDA float16/bfloat16/float32 tensor [T, G_in, d_in]")
+    T, Gi, d_in = x3.shape
+    S = int(route.S)
+    G_out = int(G_out)
+    if Gi != G_in or S % Gi:
+        raise ValueError(f"expert_matmul: x3 has G_in = {Gi} groups (expected {G_in}), which must divide S = {S}")
+    if x3.shape[2] > 1 and x3.stride(2) != 1:
+        raise ValueError("expert_matmul: x3 must be contiguous in its last dim")
+    if weight.dim() != 3 or weight.device != x3.device or weight.shape[1] != d_in:
+        raise ValueError(f"expert_matmul: weight must be [E, d_in={d_in}, d_out] on {x3.device}, "
+                         f"got shape {tuple(weight.shape)} on {weight.device}")
+    if not (weight.dtype == x3.dtype or (weight.dtype == torch.float32 and x3.dtype != torch.float32)):
+        raise TypeError(f"expert_matmul: weight has dtype {weight.dtype} but x has {x3.dtype}")
+    E, _, d_out = weight.shape
+    if gates is not None and (tuple(gates.shape) != (T, S) or gates.dtype not in DTYPE_CODES
+                              or gates.device != x3.device):
+        raise ValueError(f"expert_matmul: gates must be a float [T, S] = [{T}, {S}] tensor on {x3.device}")
+    if tuple(y.shape) != (T, G_out, d_out) or y.dtype != x3.dtype or (d_out > 1 and y.stride(2) != 1):
+        raise ValueError(f"expert_matmul: y must be [{T}, {G_out}, {d_out}] in {x3.dtype}, last dim contiguous")
+    for name, t, dt, n in (("token", route.token, torch.int32, T * S), ("slot", route.slot, torch.int32, T * S),
+                           ("offsets", route.offsets, torch.int64, E + 1)):
+        if t.dtype != dt or t.dim() != 1 or t.numel() != n or not t.is_contiguous() or t.device != x3.device:
+            raise ValueError(f"expert_matmul: route.{name} must be a contiguous {dt} [{n}] tensor on {x3.device}")
+
+    block_m, block_n, group_n = expert_matmul_config(config)
+    p = expert_matmul_plan(T, S, E, G_out, d_out, bool(deterministic), block_m, block_n, group_n)
+    if T * G_out * d_out == 0:
+        return
+    dev = x3.device
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if p.mode == EM_STORE:
+        out, o_st, o_sg, spg_out = y, (y.stride(0) if T > 1 else 0), (y.stride(1) if G_out > 1 else 0), 1
+    elif p.mode == EM_STORE_F32:
+        out = torch.empty(p.workspace_elems, dtype=torch.float32, device=dev)
+        o_st, o_sg, spg_out = S * d_out, d_out, 1
+    else:
+        out = torch.zeros(p.workspace_elems, dtype=torch.float32, device=dev)
+        o_st, o_sg, spg_out = G_out * d_out, d_out, S // G_out
+
+    i64, i32 = np.int64, np.int32
+    dt, wdt = DTYPE_CODES[x3.dtype], DTYPE_CODES[weight.dtype]
+    if p.grid > 0:
+        # the same stride normalisation as em_launch: dims of size 1 get stride 0
+        sx = (x3.stride(0) if T > 1 else 0, x3.stride(1) if G_in > 1 else 0)
+        sw = (weight.stride(0) if E > 1 else 0, weight.stride(1) if d_in > 1 else 0,
+              weight.stride(2) if d_out > 1 else 0)
+        sg = gates.stride() if gates is not None else (0, 0)
+        fn = kernel(index, "expert_matmul.cu", f"flashswitch::expert_matmul_fwd_kernel<{dt},{wdt},{p.block_m},{p.block_n}>")
+        args = (
+            _ptr(x3), _ptr(weight), _ptr(gates), _ptr(route.token), _ptr(route.slot), _ptr(route.offsets), _ptr(out),
+            i64(E), i64(d_in), i64(d_out), i64(S // G_in), i64(spg_out),
+            i64(sx[0]), i64(sx[1]), i64(sw[0]), i64(sw[1]), i64(sw[2]), i64(sg[0]), i64(sg[1]), i64(o_st), i64(o_sg),
+            i64(p.grid_m), i64(p.n_tiles_n), i64(p.group_n), i64(p.tiles),
+            i32(DTYPE_CODES[gates.dtype] if gates is not None else 0), i32(p.mode),
+        )
+        launch(fn, index, p.grid, EM_THREADS, 0, args)
+    if p.finish_grid > 0:
+        fn = kernel(index, "expert_matmul.cu", f"flashswitch::expert_matmul_finish_kernel<{dt}>")
+        spg = 1 if p.mode == EM_ATOMIC else S // G_out
+        args = (_ptr(out), _ptr(y), i64(T * G_out), i64(G_out), i64(d_out), i64(spg), i64(y.stride(0)),
+                i64(y.stride(1)))
+        launch(fn, index, p.finish_grid, EM_FINISH_THREADS, 0, args)
+
+
+__all__ += ["expert_matmul", "expert_matmul_plan", "ExpertMatmulPlan"]
+
+
+# ---------------------------------------------------------------- op 2: eva_attention
+# FS_EVA_* in kernels_cuda/eva_attention.h
+EVA_MAX_D = 256
+EVA_BLOCK_M = 64
+EVA_THREADS = 128
+EVA_F32_ROWS = 4
+EVA_BIAS_NONE, EVA_BIAS_TENSOR, EVA_BIAS_LOG_COUNT = 0, 1, 2
+_EVA_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+
+class EvaPlan(NamedTuple):
+    """Launch shape of the op-2 kernels (fields as in fs_eva_attention_plan)."""
+    head_dim: int
+    block_m: int
+    block_n: int
+    vec_bytes: int
+    threads: int
+    grid: int
+    smem_bytes: int
+
+
+def eva_plan(D: int, dtype: int, align: int, B: int, H: int, Nq: int) -> EvaPlan:
+    """Mirror of fs_eva_attention_plan_for (kernels_cuda/eva_attention.cu), line for line. dtype: an
+    FS_DTYPE_* code (DTYPE_CODES)."""
+    if D < 0 or D > EVA_MAX_D or align < 1 or B < 0 or H < 0 or Nq < 0 or dtype not in (0, 1, 2):
+        raise ValueError(f"eva_attention: unsupported launch (D={D}, dtype={dtype}, align={align}); "
+                         f"D must be <= {EVA_MAX_D}")
+    if dtype == 0:
+        epl = 2 if D <= 64 else 4 if D <= 128 else 8
+        hd, bm, bn, vb, smem = 32 * epl, EVA_F32_ROWS, 0, 0, 0
+        grid = (B * H * Nq + EVA_F32_ROWS - 1) // EVA_F32_ROWS
+    else:
+        hd = next(h for h in _EVA_HEAD_DIMS if D <= h)
+        bm, bn = EVA_BLOCK_M, 32 if hd > 128 else 64
+        vb = 16  # widest access dividing a row and every address / stride
+        while vb > 2 and ((D * 2) % vb != 0 or align % vb != 0):
+            vb //= 2
+        smem = (EVA_BLOCK_M + 2 * bn) * (hd + 8) * 2
+        grid = B * H * ((Nq + EVA_BLOCK_M - 1) // EVA_BLOCK_M)
+    return EvaPlan(hd, bm, bn, vb, EVA_THREADS, min(grid, 0x7FFFFFFF), smem)
+
+
+def _eva_check(name, t, shape, dtype, device, last=True):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"eva_attention: {name} must be a tensor")
+    if t.device != device:
+        raise ValueError(f"eva_attention: {name} is on {t.device}, expected {device}")
+    if t.dtype != dtype:
+        raise TypeError(f"eva_attention: {name} has dtype {t.dtype}, expected {dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"eva_attention: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if last and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"eva_attention: {name} must be contiguous in its last dim")
+
+
+def eva_attention(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sliding, scale, q_offset,
+                  log_count, config=None):
+    """Op 2 (SPEC.md), same contract as bindings.cuda.eva_attention (config is unused)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_cuda or q.dtype not in DTYPE_CODES:
+        raise ValueError("eva_attention: q must be a CUDA float16/bfloat16/float32 tensor [B, H, Nq, D]")
+    if not isinstance(k, torch.Tensor) or k.dim() != 4 or not isinstance(k_sum, torch.Tensor) or k_sum.dim() != 4:
+        raise ValueError("eva_attention: k and k_sum must be 4-dim tensors [B, Hkv, N, D]")
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
+    C, W, q_offset = int(chunk_size), int(window_size), int(q_offset)
+    if D > EVA_MAX_D:
+        raise ValueError(f"eva_attention: head dim D = {D} is larger than the CUDA kernel's limit {EVA_MAX_D}")
+    if C < 1 or W < 1 or W % C:
+        raise ValueError(f"eva_attention: window_size must be a positive multiple of chunk_size >= 1, got "
+                         f"window_size={W}, chunk_size={C}")
+    if not (Hkv == 0 and H == 0 or Hkv > 0 and H % Hkv == 0):
+        raise ValueError(f"eva_attention: q has {H} heads and k has {Hkv}: H must be a multiple of Hkv")
+    if q_offset < 0 or q_offset + Nq > Nk:
+        raise ValueError(f"eva_attention: q_offset must satisfy 0 <= q_offset and q_offset + Nq <= Nk, got "
+                         f"q_offset={q_offset}, Nq={Nq}, Nk={Nk}")
+    dev = q.device
+    _eva_check("q", q, (B, H, Nq, D), q.dtype, dev)
+    _eva_check("k", k, (B, Hkv, Nk, D), q.dtype, dev)
+    _eva_check("v", v, (B, Hkv, Nk, D), q.dtype, dev)
+    _eva_check("k_sum", k_sum, (B, Hkv, Nc, D), q.dtype, dev)
+    _eva_check("v_sum", v_sum, (B, Hkv, Nc, D), q.dtype, dev)
+    _eva_check("o", o, (B, H, Nq, D), q.dtype, dev)
+    _eva_check("lse", lse, (B, H, Nq), torch.float32, dev, last=False)
+    if bias is not None:
+        _eva_check("bias", bias, (B, Hkv, Nc), torch.float32, dev, last=False)
+        bias_mode = EVA_BIAS_TENSOR
+    else:
+        bias_mode = EVA_BIAS_LOG_COUNT if log_count else EVA_BIAS_NONE
+    if B * H * Nq == 0:
+        return
+
+    code = DTYPE_CODES[q.dtype]
+    qs, ks = (B, H, Nq), (B, Hkv, Nk)
+    align = alignment((q, k, v, k_sum, v_sum, o), (qs, ks, ks, (B, Hkv, Nc), (B, Hkv, Nc), qs))
+    p = eva_plan(D, code, align, B, H, Nq)
+    if p.grid == 0:
+        return
+    if code == 0:
+        name = f"flashswitch::eva_attention_fwd_f32_kernel<{p.head_dim // 32}>"
+    else:
+        name = f"flashswitch::eva_attention_fwd_kernel<{code},{p.head_dim}>"
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    fn = kernel(index, "eva_attention.cu", name)
+    if p.smem_bytes > 48 * 1024:
+        import cupy
+        with cupy.cuda.Device(index):
+            fn.max_dynamic_shared_size_bytes = p.smem_bytes
+
+    i64 = np.int64
+    sb = bias.stride() if bias is not None else (0, 0, 0)
+    # the C launcher passes (float)((double)(float)scale * log2 e)
+    scale_log2 = np.float32(float(np.float32(scale)) * _LOG2E)
+    args = (
+        _ptr(q), _ptr(k), _ptr(v), _ptr(k_sum), _ptr(v_sum), _ptr(bias), _ptr(o), _ptr(lse),
+        i64(B), i64(H), i64(H // Hkv), i64(Nq), i64(Nk), i64(Nc), i64(D), i64(C), i64(W), i64(q_offset),
+        *(i64(q.stride(i)) for i in range(3)), *(i64(k.stride(i)) for i in range(3)),
+        *(i64(v.stride(i)) for i in range(3)), *(i64(k_sum.stride(i)) for i in range(3)),
+        *(i64(v_sum.stride(i)) for i in range(3)), *(i64(s) for s in sb),
+        *(i64(o.stride(i)) for i in range(3)), *(i64(lse.stride(i)) for i in range(3)),
+        scale_log2, np.int32(1 if sliding else 0), np.int32(bias_mode), np.int32(p.vec_bytes),
+    )
+    launch(fn, index, p.grid, p.threads, p.smem_bytes, args)
+
+
+__all__ += ["eva_attention", "eva_plan", "EvaPlan"]

@@ -167,15 +167,13 @@ __device__ __forceinline__ unsigned int smem_addr(const void* p) {
   return (unsigned int)__cvta_generic_to_shared(p);
 }
 
-// BYTES (4, 8 or 16) from global to shared; zero-filled when !pred (src is then not read).
+// BYTES (4, 8 or 16) from global to shared, asynchronously (both addresses aligned to BYTES).
 template <int BYTES>
-__device__ __forceinline__ void cp_async(unsigned int dst, const void* src, bool pred) {
-  const int n = pred ? BYTES : 0;
+__device__ __forceinline__ void cp_async(unsigned int dst, const void* src) {
   if constexpr (BYTES == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
   } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(BYTES), "r"(n)
-                 : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(BYTES) : "memory");
   }
 }
 
@@ -228,9 +226,10 @@ __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
 }
 
 // Copies rows [0, ROWS) x bytes [0, 2 HD) of a tile to shared memory (pitch LD elements), V bytes
-// per access: row r < nvalid, byte x < row_bytes come from g + r * stride + x, the rest is zero.
-// V divides row_bytes, so no access straddles the end of a row. V = 2 has no cp.async form: plain
-// loads and stores (visible after the next __syncthreads like the others).
+// per access: row r < nvalid, byte x < row_bytes come from g + r * stride + x, the rest is zero
+// (stored directly: nothing outside the valid rows and columns is ever addressed). V divides
+// row_bytes, so no access straddles the end of a row. V = 2 has no cp.async form: plain loads.
+// Everything is visible after cp_async_wait_all + __syncthreads.
 template <int HD, int ROWS, int V>
 __device__ __forceinline__ void load_tile_v(unsigned short* s, const char* g, i64 stride, i64 nvalid,
                                             i64 row_bytes) {
@@ -241,12 +240,22 @@ __device__ __forceinline__ void load_tile_v(unsigned short* s, const char* g, i6
     const int r = idx / CPR;
     const int x = (idx - r * CPR) * V;
     const bool ok = r < nvalid && x < row_bytes;
-    const char* src = ok ? g + (i64)r * stride + x : g;  // g: row 0 of the tile, always readable
     unsigned char* dst = reinterpret_cast<unsigned char*>(s) + r * LD * 2 + x;
-    if constexpr (V == 2) {
-      *reinterpret_cast<unsigned short*>(dst) = ok ? __ldg(reinterpret_cast<const unsigned short*>(src)) : 0;
+    if (ok) {
+      const char* src = g + (i64)r * stride + x;
+      if constexpr (V == 2) {
+        *reinterpret_cast<unsigned short*>(dst) = __ldg(reinterpret_cast<const unsigned short*>(src));
+      } else {
+        cp_async<V>(smem_addr(dst), src);
+      }
+    } else if constexpr (V == 16) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    } else if constexpr (V == 8) {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(0u, 0u);
+    } else if constexpr (V == 4) {
+      *reinterpret_cast<unsigned int*>(dst) = 0u;
     } else {
-      cp_async<V>(smem_addr(dst), src, ok);
+      *reinterpret_cast<unsigned short*>(dst) = 0;
     }
   }
 }

@@ -529,8 +529,10 @@ extern "C" cudaError_t fs_expert_matmul_plan_for(long long T, long long S, long 
   if (plan == nullptr || T < 0 || S < 1 || E < 1 || G_out < 1 || S % G_out != 0 || d_out < 0)
     return cudaErrorInvalidValue;
   long long bm = block_m <= 0 ? 64 : em_clamp(em_floor_pow2(block_m), FS_EM_MIN_TILE, FS_EM_MAX_TILE);
-  long long bn = block_n <= 0 ? em_clamp(em_ceil_pow2(d_out), FS_EM_MIN_TILE, FS_EM_MAX_TILE)
-                              : em_clamp(em_floor_pow2(block_n), FS_EM_MIN_TILE, FS_EM_MAX_TILE);
+  // BLOCK_N: the config's (a power of two) or d_out's, never wider than d_out needs
+  const long long bn_fit = em_ceil_pow2(d_out);
+  long long bn = block_n <= 0 ? bn_fit : em_floor_pow2(block_n);
+  bn = em_clamp(bn < bn_fit ? bn : bn_fit, FS_EM_MIN_TILE, FS_EM_MAX_TILE);
   while (bm * bn > FS_EM_MAX_TILE_ELEMS) {
     if (bn >= bm) bn /= 2;
     else bm /= 2;

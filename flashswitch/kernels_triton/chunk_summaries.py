@@ -27,60 +27,58 @@ FORCE_OFFS_64 = False  # 64-bit offsets even where 32 bits suffice (tests of tha
 
 
 @triton.jit
-def _piece(k_base, v_base, valid_base, chunk, j0, N, C, stride_kn, stride_vn, stride_valn,
-           om, kw, offs_j, offs_d, mask_d, qk_scale,
+def _piece(k_base, v_base, valid_base, c3, j0, N, C, stride_kn, stride_vn, stride_valn,
+           om, kw, offs_j3, d3, mask_d3, qk_scale,
            m_v, s_v, acc_v, m_k, s_k, acc_k,
-           HAS_OMEGA: tl.constexpr, HAS_KEY_WEIGHT: tl.constexpr, HAS_VALID: tl.constexpr,
-           VEC: tl.constexpr):
+           HAS_OMEGA: tl.constexpr, HAS_KEY_WEIGHT: tl.constexpr, HAS_VALID: tl.constexpr):
     """Fold tokens [j0, j0 + BLOCK_J) of each chunk into the running statistics.
 
+    Everything stays 3-D ([BC, BJ, BD] tiles, [BC, 1, BD] and [BC, 1, 1] reductions with keep_dims)
+    so that all values share one register layout and no layout conversion is needed.
     m_v, s_v, acc_v: running max (base-2 logits), sum of exp2 and weighted value sum of the value
     softmax. m_k, s_k, acc_k: the same for the key softmax (HAS_KEY_WEIGHT), or s_k = valid count
     and acc_k = key sum for the mean (m_k unused).
     """
-    j = j0 + offs_j                                               # [BJ]
-    tok = chunk[:, None] * C + j[None, :]                         # [BC, BJ], chunk's int type
-    tmask = (j[None, :] < C) & (tok < N)                          # [BC, BJ]
+    j = j0 + offs_j3                                              # [1, BJ, 1]
+    tok = c3 * C + j                                              # [BC, BJ, 1], chunk's int type
+    tmask = (j < C) & (tok < N)
     if HAS_VALID:
         ok = tl.load(valid_base + tok * stride_valn, mask=tmask, other=0)
         tmask = tmask & (ok != 0)
-    mask3 = tmask[:, :, None] & mask_d[None, None, :]             # [BC, BJ, BD]
-    d3 = offs_d[None, None, :]
-    krow = tok * stride_kn
-    vrow = tok * stride_vn
-    kk = tl.load(k_base + krow[:, :, None] + d3, mask=mask3, other=0.0).to(tl.float32)
-    vv = tl.load(v_base + vrow[:, :, None] + d3, mask=mask3, other=0.0).to(tl.float32)
+    mask = tmask & mask_d3                                        # [BC, BJ, BD]
+    kk = tl.load(k_base + tok * stride_kn + d3, mask=mask, other=0.0).to(tl.float32)
+    vv = tl.load(v_base + tok * stride_vn + d3, mask=mask, other=0.0).to(tl.float32)
     if HAS_VALID:  # padding may hold anything (inf, NaN): keep it out of every sum
-        kk = tl.where(mask3, kk, 0.0)
-        vv = tl.where(mask3, vv, 0.0)
+        kk = tl.where(mask, kk, 0.0)
+        vv = tl.where(mask, vv, 0.0)
 
     # value softmax: l = scale * (omega . k - |k|^2 / 2), here in base 2
     if HAS_OMEGA:
-        logit = tl.sum(kk * (om[:, None, :] - 0.5 * kk), axis=2) * qk_scale
+        logit = tl.sum(kk * (om - 0.5 * kk), axis=2, keep_dims=True) * qk_scale     # [BC, BJ, 1]
     else:
-        logit = tl.sum(kk * kk, axis=2) * (-0.5 * qk_scale)
+        logit = tl.sum(kk * kk, axis=2, keep_dims=True) * (-0.5 * qk_scale)
     logit = tl.where(tmask, logit, float("-inf"))
-    m_new = tl.maximum(m_v, tl.max(logit, axis=1))
+    m_new = tl.maximum(m_v, tl.max(logit, axis=1, keep_dims=True))                 # [BC, 1, 1]
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)         # all -inf so far: exp2 gives 0
     alpha = tl.exp2(m_v - m_safe)
-    p = tl.exp2(logit - m_safe[:, None])
-    s_v = s_v * alpha + tl.sum(p, axis=1)
-    acc_v = acc_v * alpha[:, None] + tl.sum(p[:, :, None] * vv, axis=1)
+    p = tl.exp2(logit - m_safe)
+    s_v = s_v * alpha + tl.sum(p, axis=1, keep_dims=True)
+    acc_v = acc_v * alpha + tl.sum(p * vv, axis=1, keep_dims=True)                 # [BC, 1, BD]
     m_v = m_new
 
     if HAS_KEY_WEIGHT:  # key softmax: a = key_weight_h . k (no scale)
-        a = tl.sum(kk * kw[None, None, :], axis=2) * 1.4426950408889634
+        a = tl.sum(kk * kw, axis=2, keep_dims=True) * 1.4426950408889634
         a = tl.where(tmask, a, float("-inf"))
-        mk_new = tl.maximum(m_k, tl.max(a, axis=1))
+        mk_new = tl.maximum(m_k, tl.max(a, axis=1, keep_dims=True))
         mk_safe = tl.where(mk_new == float("-inf"), 0.0, mk_new)
         beta = tl.exp2(m_k - mk_safe)
-        q = tl.exp2(a - mk_safe[:, None])
-        s_k = s_k * beta + tl.sum(q, axis=1)
-        acc_k = acc_k * beta[:, None] + tl.sum(q[:, :, None] * kk, axis=1)
+        q = tl.exp2(a - mk_safe)
+        s_k = s_k * beta + tl.sum(q, axis=1, keep_dims=True)
+        acc_k = acc_k * beta + tl.sum(q * kk, axis=1, keep_dims=True)
         m_k = mk_new
     else:  # mean: masked lanes of kk are 0
-        s_k = s_k + tl.sum(tmask.to(tl.float32), axis=1)
-        acc_k = acc_k + tl.sum(kk, axis=1)
+        s_k = s_k + tl.sum(tmask.to(tl.float32), axis=1, keep_dims=True)
+        acc_k = acc_k + tl.sum(kk, axis=1, keep_dims=True)
     return m_v, s_v, acc_v, m_k, s_k, acc_k
 
 
@@ -94,8 +92,9 @@ def _chunk_summaries_fwd(
     stride_lb, stride_lh, stride_lc,
     qk_scale,
     HAS_OMEGA: tl.constexpr, HAS_KEY_WEIGHT: tl.constexpr, HAS_VALID: tl.constexpr,
-    ONE_PIECE: tl.constexpr, EVEN_D: tl.constexpr, VEC: tl.constexpr, VEC_OUT: tl.constexpr, OFFS_64: tl.constexpr,
-    D: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+    ONE_PIECE: tl.constexpr, EVEN_D: tl.constexpr, VEC: tl.constexpr, VEC_OUT: tl.constexpr,
+    OFFS_64: tl.constexpr, D: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     bh = pid // n_blocks
@@ -124,64 +123,60 @@ def _chunk_summaries_fwd(
     v_base = v_ptr + b * stride_vb + h * stride_vh
     valid_base = valid_ptr + b * stride_valb
     if OFFS_64:
-        chunk = blk * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS).to(tl.int64)   # [BC]
+        c = blk * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS).to(tl.int64)
     else:
-        chunk = blk.to(tl.int32) * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS)
-    offs_j = tl.arange(0, BLOCK_J)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_c = chunk < Nc
+        c = blk.to(tl.int32) * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS)
+    c3 = c[:, None, None]                                         # [BC, 1, 1]
+    offs_j3 = tl.arange(0, BLOCK_J)[None, :, None]                # [1, BJ, 1]
+    d3 = tl.arange(0, BLOCK_D)[None, None, :]                     # [1, 1, BD]
+    mask_c3 = c3 < Nc
     if EVEN_D:  # no lane past D: a constant mask lets the compiler vectorize any power-of-two D
-        mask_d = offs_d < BLOCK_D
+        mask_d3 = d3 < BLOCK_D
     else:
-        mask_d = offs_d < D
+        mask_d3 = d3 < D
 
     if HAS_OMEGA:
         om_base = om_ptr + b * stride_ob + h * stride_oh
-        om = tl.load(om_base + chunk[:, None] * stride_oc + offs_d[None, :],
-                     mask=mask_c[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        om = tl.load(om_base + c3 * stride_oc + d3, mask=mask_c3 & mask_d3, other=0.0).to(tl.float32)
     else:
-        om = tl.zeros([BLOCK_CHUNKS, BLOCK_D], dtype=tl.float32)
+        om = tl.zeros([BLOCK_CHUNKS, 1, BLOCK_D], dtype=tl.float32)
     if HAS_KEY_WEIGHT:
-        kw = tl.load(kw_ptr + h * stride_kwh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        kw = tl.load(kw_ptr + h * stride_kwh + d3, mask=mask_d3, other=0.0).to(tl.float32)
     else:
-        kw = tl.zeros([BLOCK_D], dtype=tl.float32)
+        kw = tl.zeros([1, 1, BLOCK_D], dtype=tl.float32)
 
-    m_v = tl.full([BLOCK_CHUNKS], float("-inf"), tl.float32)
-    s_v = tl.zeros([BLOCK_CHUNKS], dtype=tl.float32)
-    acc_v = tl.zeros([BLOCK_CHUNKS, BLOCK_D], dtype=tl.float32)
-    m_k = tl.full([BLOCK_CHUNKS], float("-inf"), tl.float32)
-    s_k = tl.zeros([BLOCK_CHUNKS], dtype=tl.float32)
-    acc_k = tl.zeros([BLOCK_CHUNKS, BLOCK_D], dtype=tl.float32)
+    m_v = tl.full([BLOCK_CHUNKS, 1, 1], float("-inf"), tl.float32)
+    s_v = tl.zeros([BLOCK_CHUNKS, 1, 1], dtype=tl.float32)
+    acc_v = tl.zeros([BLOCK_CHUNKS, 1, BLOCK_D], dtype=tl.float32)
+    m_k = tl.full([BLOCK_CHUNKS, 1, 1], float("-inf"), tl.float32)
+    s_k = tl.zeros([BLOCK_CHUNKS, 1, 1], dtype=tl.float32)
+    acc_k = tl.zeros([BLOCK_CHUNKS, 1, BLOCK_D], dtype=tl.float32)
 
     if ONE_PIECE:
         m_v, s_v, acc_v, m_k, s_k, acc_k = _piece(
-            k_base, v_base, valid_base, chunk, 0, N, C, stride_kn, stride_vn, stride_valn,
-            om, kw, offs_j, offs_d, mask_d, qk_scale, m_v, s_v, acc_v, m_k, s_k, acc_k,
-            HAS_OMEGA, HAS_KEY_WEIGHT, HAS_VALID, VEC)
+            k_base, v_base, valid_base, c3, 0, N, C, stride_kn, stride_vn, stride_valn,
+            om, kw, offs_j3, d3, mask_d3, qk_scale, m_v, s_v, acc_v, m_k, s_k, acc_k,
+            HAS_OMEGA, HAS_KEY_WEIGHT, HAS_VALID)
     else:
         for j0 in range(0, C, BLOCK_J):
             m_v, s_v, acc_v, m_k, s_k, acc_k = _piece(
-                k_base, v_base, valid_base, chunk, j0, N, C, stride_kn, stride_vn, stride_valn,
-                om, kw, offs_j, offs_d, mask_d, qk_scale, m_v, s_v, acc_v, m_k, s_k, acc_k,
-                HAS_OMEGA, HAS_KEY_WEIGHT, HAS_VALID, VEC)
+                k_base, v_base, valid_base, c3, j0, N, C, stride_kn, stride_vn, stride_valn,
+                om, kw, offs_j3, d3, mask_d3, qk_scale, m_v, s_v, acc_v, m_k, s_k, acc_k,
+                HAS_OMEGA, HAS_KEY_WEIGHT, HAS_VALID)
 
-    nonempty = s_v > 0.0
+    nonempty = s_v > 0.0                                          # [BC, 1, 1]
     inv_v = tl.where(nonempty, 1.0 / tl.where(nonempty, s_v, 1.0), 0.0)
-    v_out = acc_v * inv_v[:, None]
     k_ok = s_k > 0.0
     inv_k = tl.where(k_ok, 1.0 / tl.where(k_ok, s_k, 1.0), 0.0)
-    k_out = acc_k * inv_k[:, None]
     lse = tl.where(nonempty, (m_v + tl.log2(tl.where(nonempty, s_v, 1.0))) * 0.6931471805599453,
                    float("-inf"))
 
-    mask_o = mask_c[:, None] & mask_d[None, :]
-    ksrow = chunk * stride_ksc
-    vsrow = chunk * stride_vsc
+    mask_o = mask_c3 & mask_d3                                    # [BC, 1, BD]
     ks_base = ks_ptr + b * stride_ksb + h * stride_ksh
     vs_base = vs_ptr + b * stride_vsb + h * stride_vsh
-    tl.store(ks_base + ksrow[:, None] + offs_d[None, :], k_out.to(ks_ptr.dtype.element_ty), mask=mask_o)
-    tl.store(vs_base + vsrow[:, None] + offs_d[None, :], v_out.to(vs_ptr.dtype.element_ty), mask=mask_o)
-    tl.store(lse_ptr + b * stride_lb + h * stride_lh + chunk * stride_lc, lse, mask=mask_c)
+    tl.store(ks_base + c3 * stride_ksc + d3, (acc_k * inv_k).to(ks_ptr.dtype.element_ty), mask=mask_o)
+    tl.store(vs_base + c3 * stride_vsc + d3, (acc_v * inv_v).to(vs_ptr.dtype.element_ty), mask=mask_o)
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + c3 * stride_lc, lse, mask=mask_c3)
 
 
 def _row_strides(t) -> tuple[int, ...]:

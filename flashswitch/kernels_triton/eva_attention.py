@@ -307,7 +307,7 @@ def plan(q, k, k_sum, *, chunk_size, window_size, sliding, q_offset, config):
     """The launch geometry for a problem: dict with BLOCK_M, BLOCK_N, BLOCK_D, PACK_GQA, NUM_SPLITS,
     num_warps, num_stages (missing config keys take the heuristic default of autotune.space)."""
     B, H, Nq, D = q.shape
-    Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
+    Hkv, Nc = k.shape[1], k_sum.shape[2]
     G = H // Hkv
     cfg = dict(config or {})
     needed = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")

@@ -1,0 +1,257 @@
+"""The op-2 CUDA kernels (kernels_cuda/eva_attention.cu) through both loaders: the NVRTC compile of every
+instantiation (no GPU needed), the launch plan and its Python mirror, and GPU smoke tests of the
+AOT (`cuda`) and JIT (`cupy`) backends against the fp64 NumPy oracle: every head-dim template, fp32,
+each summary-bias mode, GQA, strided and misaligned layouts (narrower global accesses), decode, and
+offsets past 2^31 elements.
+
+Correctness over many shapes and the SPEC properties are in test_eva_attention_kernels.py (via the
+`backend` fixture).
+"""
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from flashswitch.reference.eva_attention import numpy_eva_attention, random_problem, torch_eva_attention
+from flashswitch.testing import assert_close
+
+F32 = torch.float32
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+NVRTC_NAMES = ([f"flashswitch::eva_attention_fwd_kernel<{dt},{hd}>" for dt in (1, 2) for hd in HEAD_DIMS]
+               + [f"flashswitch::eva_attention_fwd_f32_kernel<{e}>" for e in (2, 4, 8)])
+
+
+# ---------------------------------------------------------------- NVRTC (no GPU)
+def _nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except Exception as err:  # no cupy, or a cupy without NVRTC
+        pytest.skip(f"cupy's NVRTC binding is not importable ({type(err).__name__})")
+    return nvrtc
+
+
+def _cuda_include() -> str:
+    """A folder with cuda_bf16.h: a toolkit, else the headers of torch's nvidia-cuda-runtime wheel."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    try:
+        import nvidia
+        roots += [str(Path(p) / f"cu{(torch.version.cuda or '0').split('.')[0]}") for p in nvidia.__path__]
+    except ImportError:
+        pass
+    for root in roots:
+        if root and (Path(root) / "include" / "cuda_bf16.h").exists():
+            return str(Path(root) / "include")
+    pytest.skip("no CUDA headers (cuda_bf16.h) for NVRTC")
+
+
+@pytest.mark.parametrize("names", [NVRTC_NAMES[i::3] for i in range(3)], ids=["a", "b", "c"])
+def test_nvrtc_compiles_every_instantiation(names):
+    """Every template the launchers name compiles under NVRTC for sm_90 (the CuPy path), no local memory."""
+    nvrtc = _nvrtc()
+    from flashswitch.bindings import cupy as loader
+    prog = nvrtc.createProgram(loader.source("eva_attention.cu"), "eva_attention.cu", [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        opts = list(loader.compile_options()) + [f"-I{_cuda_include()}", "-arch=sm_90", "-ftz=true",
+                                                   "--device-as-default-execution-space"]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except Exception:
+            pytest.fail("NVRTC failed:\n" + nvrtc.getProgramLog(prog))
+        for name in names:
+            assert "eva_attention_fwd" in nvrtc.getLoweredName(prog, name)
+        assert len(nvrtc.getCUBIN(prog)) > 1000
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+# ---------------------------------------------------------------- launch plan
+def test_plan_shapes():
+    from flashswitch.bindings.cupy import EVA_BLOCK_M, eva_plan
+    for D in range(0, 257):
+        for dtype in (1, 2):
+            for align in (1, 2, 4, 8, 16):
+                p = eva_plan(D, dtype, align, 2, 3, 130)
+                assert p.head_dim in HEAD_DIMS and p.head_dim >= D and p.head_dim % 16 == 0
+                assert p.block_n == (32 if p.head_dim > 128 else 64)
+                assert p.vec_bytes in (2, 4, 8, 16) and (2 * D) % p.vec_bytes == 0
+                assert p.vec_bytes == 2 or align % p.vec_bytes == 0
+                assert p.smem_bytes == (EVA_BLOCK_M + 2 * p.block_n) * (p.head_dim + 8) * 2 <= 227 * 1024
+                assert p.grid == 2 * 3 * 3 and p.threads == 128
+        p = eva_plan(D, 0, 16, 2, 3, 130)
+        assert p.head_dim >= max(D, 64) and p.grid == -(-2 * 3 * 130 // 4) and p.smem_bytes == 0
+    assert eva_plan(128, 1, 16, 1, 1, 1).vec_bytes == 16
+    assert eva_plan(76, 1, 16, 1, 1, 1).vec_bytes == 8     # 152-byte rows
+    assert eva_plan(75, 2, 16, 1, 1, 1).vec_bytes == 2     # odd D
+    assert eva_plan(128, 1, 4, 1, 1, 1).vec_bytes == 4     # 4-byte aligned strides
+    assert eva_plan(64, 1, 16, 0, 4, 100).grid == 0
+    assert eva_plan(64, 1, 16, 1 << 20, 64, 1 << 20).grid == 0x7FFFFFFF  # the kernel loops over the rest
+    with pytest.raises(ValueError, match="D"):
+        eva_plan(257, 1, 16, 1, 1, 1)
+
+
+def _extension_op(name):
+    if torch.version.cuda is None or importlib.util.find_spec("flashswitch._C") is None:
+        pytest.skip("flashswitch._C is not built")
+    import flashswitch._C  # noqa: F401
+    if not hasattr(torch.ops.flashswitch_C, name):
+        pytest.skip(f"flashswitch._C was built without {name}")
+    return getattr(torch.ops.flashswitch_C, name)
+
+
+def test_plan_mirror_matches_c():
+    """bindings/cupy.eva_plan is a line-for-line mirror of fs_eva_attention_plan_for."""
+    c_plan = _extension_op("eva_attention_plan")
+    from flashswitch.bindings.cupy import eva_plan
+    for D in (0, 1, 3, 16, 32, 33, 64, 76, 96, 100, 128, 129, 192, 200, 256):
+        for dtype in (0, 1, 2):
+            for align in (1, 2, 4, 8, 16):
+                for B, H, Nq in ((1, 1, 1), (2, 3, 64), (2, 3, 65), (0, 2, 5), (4, 8, 1000)):
+                    args = (D, dtype, align, B, H, Nq)
+                    assert list(eva_plan(*args)) == list(c_plan(*args)), args
+
+
+def test_extension_registers_the_op():
+    op = _extension_op("eva_attention_fwd")
+    schema = str(op.default._schema)
+    for arg in ("Tensor? bias", "Tensor(a!) o", "Tensor(b!) lse", "int chunk_size", "int window_size",
+                "bool sliding", "float scale", "int q_offset", "bool log_count"):
+        assert arg in schema, schema
+
+
+# ---------------------------------------------------------------- GPU smoke tests
+def _loaders():
+    from flashswitch.bindings import cuda, cupy
+    return {name: mod for name, mod in (("cuda", cuda), ("cupy", cupy)) if mod.available()}
+
+
+def _need(loader):
+    if loader not in _loaders():
+        pytest.skip(f"backend {loader} is not available")
+
+
+def _misalign(t):
+    """The same values in a view whose base and row strides are only 2-byte aligned (16-bit types)."""
+    pad = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype, device=t.device)
+    pad[..., 1:] = t
+    return pad[..., 1:]
+
+
+def _check(loader, p, scale=None):
+    from flashswitch.ops import eva_attention as op
+    o, lse = op.run_kernel(loader, None, **p, scale=scale)
+    torch.cuda.synchronize()
+    ref_o, ref_l = numpy_eva_attention(**p, scale=scale, return_lse=True)
+    base_o, base_l = torch_eva_attention(**p, scale=scale, return_lse=True)
+    assert o.dtype == p["q"].dtype and lse.dtype == F32
+    assert_close("o", o, ref_o, p["q"].dtype, baseline=base_o)
+    assert_close("lse", lse, ref_l, F32, baseline=base_l)
+
+
+# (B, H, Hkv, Nq, Nk, D, C, W), window, summary_bias, extra random_problem keywords
+CASES = [
+    ((2, 4, 2, None, 300, 64, 16, 64), "block", None, {}),
+    ((1, 2, 1, None, 257, 128, 8, 32), "sliding", "log_count", dict(layout="strided")),
+    ((1, 2, 2, 5, 700, 76, 4, 16), "sliding", "tensor", {}),
+    ((2, 2, 1, 130, 400, 256, 16, 128), "block", "tensor", dict(q_offset=200)),
+    ((1, 3, 1, 70, 200, 40, 2, 8), "sliding", None, dict(q_offset=50)),
+    ((1, 2, 2, None, 190, 96, 4, 8), "block", "log_count", {}),
+    ((1, 2, 1, None, 150, 160, 3, 12), "sliding", "tensor", {}),
+    ((1, 2, 2, None, 100, 3, 1, 4), "block", None, {}),
+    ((1, 2, 2, 1, 999, 20, 5, 25), "block", "log_count", {}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loader", ["cuda", "cupy"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_smoke_vs_reference(loader, dtype, case):
+    _need(loader)
+    (B, H, Hkv, Nq, Nk, D, C, W), window, bias, extra = CASES[case]
+    p = random_problem(B, H, Hkv, Nq, Nk, D, C, W, window=window, summary_bias=bias, dtype=dtype, device=DEVICE,
+                       seed=case, **extra)
+    _check(loader, p)
+    _check(loader, p, scale=0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loader", ["cuda", "cupy"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 76, 75])
+def test_misaligned_layouts(loader, dtype, D):
+    """Base addresses and row strides only 2-byte aligned: the 2-byte access path (and 4/8-byte ones)."""
+    _need(loader)
+    p = random_problem(1, 2, 1, None, 150, D, 4, 16, window="sliding", summary_bias="tensor", dtype=dtype,
+                       device=DEVICE, seed=D)
+    for name in ("q", "k", "v", "k_sum", "v_sum"):
+        p[name] = _misalign(p[name])
+    _check(loader, p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loader", ["cuda", "cupy"])
+def test_switched_off_summaries(loader):
+    """A -inf tensor bias removes summaries, whole key tiles of them included."""
+    _need(loader)
+    p = random_problem(1, 2, 1, None, 600, 64, 2, 8, summary_bias="tensor", dtype=torch.bfloat16, device=DEVICE)
+    bias = p["summary_bias"].clone()
+    bias[..., :100] = float("-inf")
+    bias[..., 150] = float("-inf")
+    p["summary_bias"] = bias
+    _check(loader, p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loader", ["cuda", "cupy"])
+def test_offsets_past_int32(loader):
+    """One kv head holding more than 2^31 elements: offsets must be computed in 64 bits."""
+    _need(loader)
+    D, C, W, Nc, Nq = 128, 16, 64, 8, 3
+    Nk = (1 << 31) // D + 3 * W + 5
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    k = torch.randn(1, 1, Nk, D, dtype=torch.bfloat16, device=DEVICE, generator=g)
+    v = torch.randn(1, 1, Nk, D, dtype=torch.bfloat16, device=DEVICE, generator=g)
+    assert k.numel() > 2 ** 31
+    q = torch.randn(1, 2, Nq, D, dtype=torch.bfloat16, device=DEVICE, generator=g)
+    ks = torch.randn(1, 1, Nc, D, dtype=torch.bfloat16, device=DEVICE, generator=g)
+    vs = torch.randn(1, 1, Nc, D, dtype=torch.bfloat16, device=DEVICE, generator=g)
+    from flashswitch.ops import eva_attention as op
+    o, lse = op.run_kernel(loader, None, q, k, v, ks, vs, C, W, window="block", summary_bias="log_count")
+    torch.cuda.synchronize()
+    # dense fp64 reference over what the queries see: exact keys [start, t] (start = start(t) for all
+    # three) and the Nc summaries, all of complete chunks (log n_c = log C)
+    start = W * ((Nk - Nq) // W)
+    assert start // C >= Nc and start * D > 2 ** 31 and W * ((Nk - 1) // W) == start
+    kk, vv = k[0, 0, start:].double(), v[0, 0, start:].double()
+    t = torch.arange(Nq, device=DEVICE) + (Nk - Nq - start)
+    logits_k = (q.double() @ kk.T) * D ** -0.5
+    logits_k = logits_k.masked_fill(torch.arange(Nk - start, device=DEVICE)[None, :] > t[:, None], float("-inf"))
+    logits_s = (q.double() @ ks[0, 0].double().T) * D ** -0.5 + math.log(C)
+    logits = torch.cat([logits_k, logits_s], -1)
+    ref_o = torch.softmax(logits, -1) @ torch.cat([vv, vs[0, 0].double()], 0)
+    ref_l = torch.logsumexp(logits, -1)
+    assert_close("o", o, ref_o, torch.bfloat16)
+    assert_close("lse", lse, ref_l, F32)
+    del k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loader", ["cuda", "cupy"])
+def test_loaders_agree_bitwise(loader):
+    """Both loaders run the same kernel source: identical outputs."""
+    _need(loader)
+    loaders = _loaders()
+    if len(loaders) < 2:
+        pytest.skip("needs both the cuda and the cupy backend")
+    from flashswitch.ops import eva_attention as op
+    p = random_problem(2, 4, 2, None, 333, 76, 4, 16, window="sliding", summary_bias="log_count",
+                       dtype=torch.float16, device=DEVICE)
+    a = op.run_kernel("cuda", None, **p)
+    b = op.run_kernel("cupy", None, **p)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
