@@ -4,6 +4,8 @@ Public API (SPEC.md): chunk_summaries (op 1), eva_attention (op 2), route + expe
 Each takes `backend=` "auto" | "reference" | "triton" | "cuda" | "cupy".
 """
 from flashswitch.ops.chunk_summaries import chunk_summaries
+from flashswitch.ops.eva_attention import eva_attention
+from flashswitch.ops.expert_matmul import Route, expert_matmul, route
 
 __version__ = "0.1.0"
-__all__ = ["chunk_summaries"]
+__all__ = ["chunk_summaries", "eva_attention", "route", "Route", "expert_matmul"]

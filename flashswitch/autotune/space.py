@@ -232,6 +232,33 @@ def _em_triton_default(f: dict) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": _em_group_n(f, bn, il), "INTERLEAVE": il,
             "num_warps": w, "num_stages": s}
 
+def _em_cuda_tiles(f: dict) -> tuple[list[int], list[int]]:
+    """BLOCK_M / BLOCK_N values of the CUDA kernel (kernels_cuda/expert_matmul.cu): 32, 64 or 128,
+    BLOCK_N no wider than d_out needs; the launcher also caps BLOCK_M * BLOCK_N at 8192."""
+    bn_fit = min(128, max(32, next_pow2(f["d_out"])))
+    return [32, 64, 128], [b for b in (32, 64, 128) if b <= bn_fit]
+
+
+def _em_cuda_space(f: dict) -> list[dict]:
+    """Tile shapes x {all column tiles per sweep, the L2-sized sweep}: at most 16 configs."""
+    bms, bns = _em_cuda_tiles(f)
+    out = []
+    for bm, bn in itertools.product(bms, bns):
+        if bm * bn > 8192:
+            continue
+        for gn in sorted({_em_group_n(f, bn), -(-f["d_out"] // bn)}):
+            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_N": gn})
+    return out
+
+
+def _em_cuda_default(f: dict) -> dict:
+    per_expert = _em_facts(f)["per_expert"]
+    bm = 128 if per_expert >= 1024 else 64 if per_expert >= 96 else 32
+    bn = _em_cuda_tiles(f)[1][-1]
+    bm = min(bm, 8192 // bn)
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_N": _em_group_n(f, bn)}
+
+
 # ---------------------------------------------------------------- registry
 SPACES = {
     ("chunk_summaries", "triton"): _cs_triton_space,
@@ -239,6 +266,8 @@ SPACES = {
     ("chunk_summaries", "cupy"): _cs_cuda_space,
     ("eva_attention", "triton"): _eva_triton_space,
     ("expert_matmul", "triton"): _em_triton_space,
+    ("expert_matmul", "cuda"): _em_cuda_space,
+    ("expert_matmul", "cupy"): _em_cuda_space,
 }
 DEFAULTS = {
     ("chunk_summaries", "triton"): _cs_triton_default,
@@ -246,6 +275,8 @@ DEFAULTS = {
     ("chunk_summaries", "cupy"): _cs_cuda_default,
     ("eva_attention", "triton"): _eva_triton_default,
     ("expert_matmul", "triton"): _em_triton_default,
+    ("expert_matmul", "cuda"): _em_cuda_default,
+    ("expert_matmul", "cupy"): _em_cuda_default,
 }
 
 # Shapes `flashswitch autotune` sweeps: keyword arguments of each op's bench/tune problem builder.

@@ -337,7 +337,8 @@ __global__ void __launch_bounds__(FS_EVA_THREADS) eva_attention_fwd_kernel(FS_EV
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // accumulator row (and row + 8)
   const int cq = lane & 3;  // accumulator column pair
-  // ldmatrix row addresses: lane l points at row (l & 7) + 8 * bit3(l) / + 8 * bit4(l) of its 16-row block
+  // ldmatrix addresses: lane l points at row (l & 7) + 8 * (bit 3 or bit 4 of l) of a 16-row block and
+  // column 8 * (the other bit) of a 16-column block, which orders the four 8x8 matrices (see each use)
   const int lr = lane & 7;
   const int b3 = (lane >> 3) & 1;
   const int b4 = (lane >> 4) & 1;
