@@ -48,36 +48,47 @@ def _cs_triton_blocks(f: dict) -> tuple[int, int]:
     return min(next_pow2(f["C"]), 64), next_pow2(f["D"])
 
 
+def _cs_triton_fits(cb: int, bj: int, block_d: int, w: int) -> bool:
+    """Whether a k/v tile and an accumulator fit in registers: <= 72 elements per thread."""
+    return cb * (bj + 1) * block_d <= 72 * 32 * w
+
+
 def _cs_triton_space(f: dict) -> list[dict]:
-    # A program holds [BLOCK_CHUNKS, BLOCK_J, BLOCK_D] tiles of k and v. More than 64 elements of
-    # each per thread spills registers on sm_90; one warp per program keeps every reduction inside
-    # the warp (no shared memory, no barriers), more warps split the chunk's tokens across warps.
-    # A BLOCK_J below the chunk size reads the chunk in pieces (online softmax). num_stages does
-    # not change this kernel (no loads feed a dot), so it stays 1.
+    # A program holds [BLOCK_CHUNKS, BLOCK_J, BLOCK_D] tiles of k and v and [BLOCK_CHUNKS, BLOCK_D]
+    # accumulators; past about 72 elements of one tile plus one accumulator per thread (or with
+    # 16 warps) registers spill on sm_90 (measured with ptxas). One warp per program keeps every
+    # reduction inside the warp (no shared memory, no barriers); more warps split a chunk's tokens
+    # across warps. A BLOCK_J below the chunk size reads the chunk in pieces (online softmax).
+    # num_stages does not change this kernel (no load feeds a dot), so it stays 1.
     bj_max, block_d = _cs_triton_blocks(f)
     out = []
     for bj in sorted({bj_max} | {b for b in (8, 16, 32) if b < bj_max}):
-        for cb, w in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16)):
+        for cb, w in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8)):
             if cb > 1 and bj < bj_max:
                 continue
             per_thread = cb * bj * block_d / (32 * w)
-            if per_thread > 64 or (w > 1 and per_thread < 16) or (w == 1 and cb > 1 and per_thread < 8 and
-                                                                   cb * bj * block_d > 64):
+            if not _cs_triton_fits(cb, bj, block_d, w) or (w > 1 and per_thread < 16):
                 continue
             cfg = {"BLOCK_CHUNKS": cb, "num_warps": w, "num_stages": 1}
             if bj < bj_max:
                 cfg["BLOCK_J"] = bj
             out.append(cfg)
-    return out
+    return out or [_cs_triton_default(f)]
 
 
 def _cs_triton_default(f: dict) -> dict:
-    # one warp per program with 2048-element tiles (64 per thread): short chunks are batched
-    # (BLOCK_CHUNKS), long ones read in BLOCK_J-token pieces
+    # one warp per program, the largest tile that fits: short chunks are batched (BLOCK_CHUNKS),
+    # long ones read in BLOCK_J-token pieces
     bj_max, block_d = _cs_triton_blocks(f)
-    bj = min(bj_max, max(1, 2048 // block_d))
-    cb = max(1, min(64, 2048 // (bj * block_d))) if bj == bj_max else 1
-    w = max(1, min(16, cb * bj * block_d // 2048))
+    bj = bj_max
+    while bj > 1 and not _cs_triton_fits(1, bj, block_d, 1):
+        bj //= 2
+    cb = 1
+    while bj == bj_max and cb < 64 and _cs_triton_fits(2 * cb, bj, block_d, 1):
+        cb *= 2
+    w = 1
+    while w < 8 and not _cs_triton_fits(cb, bj, block_d, w):
+        w *= 2
     cfg = {"BLOCK_CHUNKS": cb, "num_warps": w, "num_stages": 1}
     if bj < bj_max:
         cfg["BLOCK_J"] = bj

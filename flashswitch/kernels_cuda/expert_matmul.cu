@@ -9,7 +9,8 @@
 // from the route's offsets [E+1] with a block-wide scan (no host sync, no extra launch). The grid is
 // sized on the host from sizes only: ceil(P / BLOCK_M) + min(E, P) row tiles (an upper bound), times
 // the column tiles; blocks whose row tile does not exist exit. Tile ids are ordered (group of GROUP_N
-// column tiles, row tile, column tile within the group), as in the Triton kernel.
+// column tiles, row tile, column tile within the group), as in the Triton kernel; its interleaved
+// row-tile order (INTERLEAVE) is not implemented here: row tiles are always expert-major.
 //
 // Main loop (BLOCK_K = 32): the A rows x[t, s / (S / G_in)] of the tile's pairs are gathered into shared
 // memory ([BLOCK_M][BLOCK_K], k contiguous), the B tile W[e][k0:k0+32, n0:n0+BLOCK_N] is stored

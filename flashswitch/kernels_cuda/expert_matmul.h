@@ -65,8 +65,10 @@ typedef struct fs_expert_matmul_plan {
   long long finish_grid;      // blocks of the finishing kernel, 0 when there is none
 } fs_expert_matmul_plan;
 
-// Fills `plan`. block_m, block_n, group_n: the tuning config (<= 0: default: block_m 64, block_n from
-// d_out, all column tiles per sweep); tiles are rounded to supported sizes.
+// Fills `plan`. block_m, block_n, group_n: the tuning config (<= 0: default: block_m 64, block_n the
+// power of two covering d_out, all column tiles per sweep). Tiles are rounded down to powers of two in
+// [32, 128], block_n to at most the power of two covering d_out, then halved (block_n first) until
+// block_m * block_n <= FS_EM_MAX_TILE_ELEMS.
 cudaError_t fs_expert_matmul_plan_for(long long T, long long S, long long E, long long G_out, long long d_out,
                                       int deterministic, int block_m, int block_n, long long group_n,
                                       fs_expert_matmul_plan* plan);
