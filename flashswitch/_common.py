@@ -90,6 +90,14 @@ def available_backends(device: torch.device) -> list[str]:
 
 def resolve_backend(op: str, backend: str, device: torch.device, bucket: Optional[dict]) -> str:
     """Turn `backend` ('auto' or a name) into a backend that can run here, or raise."""
+    items = None if bucket is None else tuple(sorted(bucket.items()))
+    return _resolve_backend(op, backend, str(device), items)
+
+
+@torch._dynamo.assume_constant_result  # imports and file reads: torch.compile takes the answer as a constant
+def _resolve_backend(op: str, backend: str, device: str, bucket: Optional[tuple]) -> str:
+    device = torch.device(device)
+    bucket = None if bucket is None else dict(bucket)
     if backend == "auto":
         backend = os.environ.get("FLASHSWITCH_BACKEND", "auto")
     if backend == "auto":

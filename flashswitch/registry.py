@@ -45,6 +45,12 @@ class OpSpec:
       friendly); `demo_case`: one small problem for `flashswitch demo`.
     - `bench_shapes`: shapes of the quick timing table; `bench_x`: the shape key on the x axis of
       the throughput plot.
+    - `bench_compare`: bench backends the result tables give speedups against (baselines in the same
+      run); `bench_roof`: a bench backend whose throughput is the roof ("% of roof" column);
+      `bench_plot`: {"kind": "throughput"} (throughput vs `bench_x`), {"kind": "speedup", "over": B}
+      (speedup over backend B vs `bench_x`) or {"kind": "bars"} (throughput per shape).
+    - `torch_reference`: a callable replacing `torch_<op>` where the plain reference does not fit
+      large problems in memory (same keywords, same outputs).
     """
     name: str
     ops_module: str
@@ -58,6 +64,10 @@ class OpSpec:
     demo_case: dict = field(default_factory=dict)
     bench_shapes: tuple = ()
     bench_x: str = "N"
+    bench_compare: tuple = ("reference",)
+    bench_roof: Optional[str] = None
+    bench_plot: dict = field(default_factory=lambda: {"kind": "throughput"})
+    torch_reference: Optional[Callable] = None
 
     # ------------------------------------------------------------ modules
     def ops(self):
@@ -67,6 +77,8 @@ class OpSpec:
         return importlib.import_module(self.reference_module)
 
     def torch_fn(self) -> Callable:
+        if self.torch_reference is not None:
+            return self.torch_reference
         return getattr(self.reference(), f"torch_{self.name}")
 
     def numpy_fn(self) -> Callable:
@@ -183,8 +195,146 @@ CHUNK_SUMMARIES = OpSpec(
     bench_x="N",
 )
 
-# Ops 2 (eva_attention) and 3 (expert_matmul) are added here as entries of the same kind.
-OPS: dict[str, OpSpec] = {spec.name: spec for spec in (CHUNK_SUMMARIES,)}
+
+# ---------------------------------------------------------------- op 2: eva_attention
+def _eva_reach(p: dict) -> tuple[int, int, int]:
+    """(Nq, exact keys read, summaries read) per (batch, kv head): the exact keys visible to some query,
+    [start(first query), last query], and the summaries visible to the last query (start(t) never
+    decreases with t)."""
+    from flashswitch.reference.eva_attention import default_q_offset, start_position
+    q, k, k_sum = p["q"], p["k"], p["k_sum"]
+    Nq, Nk, Nc = q.shape[2], k.shape[2], k_sum.shape[2]
+    if Nq == 0:
+        return 0, 0, 0
+    off = default_q_offset(Nq, Nk, p.get("q_offset"))
+    kw = dict(chunk_size=p["chunk_size"], window_size=p["window_size"], window=p.get("window", "block"))
+    first, last = start_position(off, **kw), start_position(off + Nq - 1, **kw)
+    return Nq, max(0, min(Nk, off + Nq) - first), max(0, min(Nc, last // p["chunk_size"]))
+
+
+def _eva_attention_cost(p: dict) -> dict:
+    """flops: 4·D per visible (query, key or summary) pair (q·k and p·v), times B·H. bytes: q read, the
+    exact keys and values visible to some query and the visible summaries read once (in decode just the
+    exact buffer and the summaries, read in place), a tensor bias read, o and lse (fp32) written."""
+    from flashswitch.reference.eva_attention import visible_pairs
+    q, k, k_sum = p["q"], p["k"], p["k_sum"]
+    B, H, Nq, D = q.shape
+    Hkv = k.shape[1]
+    pairs = visible_pairs(Nq, k.shape[2], k_sum.shape[2], chunk_size=p["chunk_size"],
+                          window_size=p["window_size"], window=p.get("window", "block"), q_offset=p.get("q_offset"))
+    _, n_exact, n_sum = _eva_reach(p)
+    bias = p.get("summary_bias")
+    read = (nbytes(q) + B * Hkv * (n_exact + n_sum) * D * 2 * k.element_size()
+            + (B * Hkv * n_sum * bias.element_size() if isinstance(bias, torch.Tensor) else 0))
+    written = B * H * Nq * D * q.element_size() + B * H * Nq * 4
+    return {"flops": 4 * D * pairs * B * H, "bytes": read + written}
+
+
+EVA_REFERENCE_BLOCK = 1 << 27  # logits per call of the dense reference: bigger problems go in query blocks
+
+
+def eva_reference_blocked(q, k, v, k_sum, v_sum, *, chunk_size, window_size, window="block", scale=None,
+                          summary_bias=None, q_offset=None, return_lse=False):
+    """`torch_eva_attention` over blocks of queries, so that long sequences fit in memory: the dense
+    [rows, Nk + Nc] logits of one call stay under EVA_REFERENCE_BLOCK elements. A block of queries
+    ending at position e reads the keys [0, e] only (the later ones are invisible to it). Same
+    keywords and outputs as `torch_eva_attention`."""
+    from flashswitch.reference.eva_attention import default_q_offset, torch_eva_attention
+    B, H, Nq, D = q.shape
+    Nk, Nc = k.shape[2], k_sum.shape[2]
+    off = default_q_offset(Nq, Nk, q_offset)
+    kw = dict(chunk_size=chunk_size, window_size=window_size, window=window, summary_bias=summary_bias,
+              scale=(D ** -0.5 if D > 0 else 1.0) if scale is None else scale, return_lse=True)
+    rows = max(1, EVA_REFERENCE_BLOCK // max(1, B * H * (Nk + Nc)))
+    if Nq <= rows:
+        o, lse = torch_eva_attention(q, k, v, k_sum, v_sum, q_offset=off, **kw)
+    else:
+        outs = []
+        for i in range(0, Nq, rows):
+            n = min(rows, Nq - i)
+            end = min(Nk, off + i + n)
+            outs.append(torch_eva_attention(q[:, :, i:i + n], k[:, :, :end], v[:, :, :end], k_sum, v_sum,
+                                            q_offset=off + i, **kw))
+        o, lse = torch.cat([a for a, _ in outs], 2), torch.cat([b for _, b in outs], 2)
+    return (o, lse) if return_lse else o
+
+
+EVA_ATTENTION = OpSpec(
+    name="eva_attention",
+    ops_module="flashswitch.ops.eva_attention",
+    reference_module="flashswitch.reference.eva_attention",
+    cost=_eva_attention_cost,
+    unit="TFLOP/s",
+    outputs=("o", "lse"),
+    reference_kwargs={"return_lse": True},
+    torch_reference=eva_reference_blocked,
+    check_cases=(
+        dict(B=1, H=2, Hkv=1, Nk=40, D=16, C=4, W=8),
+        dict(B=1, H=2, Hkv=2, Nk=37, D=24, C=2, W=8, window="sliding", summary_bias="log_count"),
+        dict(B=1, H=4, Hkv=2, Nq=5, Nk=29, D=16, C=4, W=12, window="sliding", layout="strided"),
+        dict(B=2, H=4, Hkv=2, Nq=1, Nk=50, D=16, C=4, W=8, summary_bias="tensor"),
+        dict(B=1, H=2, Hkv=2, Nk=0, D=16, C=4, W=8),
+    ),
+    demo_case=dict(B=1, H=4, Hkv=2, Nk=128, D=32, C=8, W=32),
+    bench_shapes=(
+        dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=16, W=2048, window="block"),
+        dict(B=2, H=16, Hkv=16, Nk=16384, D=64, C=16, W=2048, window="block"),
+        dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=32, W=256, window="sliding"),
+        dict(B=32, H=16, Hkv=16, Nq=1, Nk=32768, D=128, C=32, W=256, window="block"),
+    ),
+    bench_x="Nk",
+    bench_compare=("flex", "sdpa_causal"),
+    bench_plot={"kind": "speedup", "over": "sdpa_causal"},
+)
+
+
+# ---------------------------------------------------------------- op 3: expert_matmul
+def _expert_matmul_cost(p: dict) -> dict:
+    """flops: 2·d_in·d_out per routed (token, slot) pair, P = T·S pairs. bytes: x read once, the
+    weights read once, y written once."""
+    x, w, idx = p["x"], p["weight"], p["expert_idx"]
+    T, S = idx.shape
+    _, d_in, d_out = w.shape
+    G_out = S if p.get("out_groups") is None else int(p["out_groups"])
+    return {"flops": 2 * T * S * d_in * d_out,
+            "bytes": nbytes(x) + nbytes(w) + T * G_out * d_out * x.element_size()}
+
+
+def _expert_matmul_reference_args(p: dict) -> dict:
+    """The references take the routing decision itself (no `num_experts`, no `deterministic`)."""
+    return {k: v for k, v in p.items() if k not in ("num_experts", "deterministic")}
+
+
+EXPERT_MATMUL = OpSpec(
+    name="expert_matmul",
+    ops_module="flashswitch.ops.expert_matmul",
+    reference_module="flashswitch.reference.expert_matmul",
+    cost=_expert_matmul_cost,
+    unit="TFLOP/s",
+    outputs=("y",),
+    reference_args=_expert_matmul_reference_args,
+    check_cases=(
+        dict(T=20, S=4, E=6, d_in=24, d_out=16, G_out=2),
+        dict(T=13, S=6, E=10, d_in=20, d_out=12, G_in=2, G_out=1),
+        dict(T=9, S=2, E=3, d_in=16, d_out=8, gated=False, routing="duplicates"),
+        dict(T=11, S=3, E=5, d_in=8, d_out=20, G_in=3, routing="sparse"),
+        dict(T=7, S=4, E=4, d_in=16, d_out=16, G_out=1, routing="one_hot"),
+        dict(T=0, S=2, E=3, d_in=8, d_out=8),
+    ),
+    demo_case=dict(T=64, S=4, E=8, d_in=64, d_out=32, G_out=2),
+    bench_shapes=(
+        dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True),
+        dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True),
+        dict(T=16384, S=8, E=512, d_in=1024, d_out=128, G_out=8, gated=False),
+        dict(T=16384, S=8, E=512, d_in=128, d_out=1024, G_in=8, G_out=1, gated=True),
+    ),
+    bench_x="T",
+    bench_compare=("grouped_mm_pipeline",),
+    bench_roof="dense_equal_macs",
+    bench_plot={"kind": "bars"},
+)
+
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in (CHUNK_SUMMARIES, EVA_ATTENTION, EXPERT_MATMUL)}
 
 
 def get(name: str) -> OpSpec:
