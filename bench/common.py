@@ -1,8 +1,11 @@
 """Shared pieces of the benchmark suite, the plot script and the ceilings script.
 
 Every benchmark case is (op, shape, backend, dtype). Backends: the kernel backends ("triton",
-"cuda", "cupy", each with its tuned or default config), "reference" (the PyTorch reference, eager)
-and "compiled" (the PyTorch reference under torch.compile). Each case is timed twice:
+"cuda", "cupy", each with its tuned or default config), "reference" (the PyTorch reference, eager),
+"compiled" (the PyTorch reference under torch.compile) and the baselines of bench/baselines.py that a
+bench file passes as `builders` (flex, sdpa_causal, grouped_mm_pipeline, ...: what a user would run
+instead). A baseline that cannot run a problem (baselines.Unsupported) is recorded as an
+"unsupported" row and the case is skipped. Each case is timed twice:
   - `benchmark.pedantic` on a callable that runs the op and then torch.cuda.synchronize()
     (wall clock per call, launch overhead included): pytest-benchmark's own statistics;
   - `triton.testing.do_bench` (median of CUDA-event timings, L2 flushed between runs): stored in
@@ -29,7 +32,8 @@ from flashswitch.autotune.tune import bench_ms, versions  # noqa: E402
 
 BACKENDS = ("triton", "cuda", "cupy", "reference", "compiled")
 KERNEL_BACKENDS = ("triton", "cuda", "cupy")
-BACKEND_ORDER = {b: i for i, b in enumerate(("reference", "compiled") + KERNEL_BACKENDS)}
+BASELINES = ("sdpa_causal", "cat_sdpa_decode", "flex", "flex_nocat", "dense_equal_macs", "grouped_mm_pipeline")
+BACKEND_ORDER = {b: i for i, b in enumerate(("reference", "compiled") + BASELINES + KERNEL_BACKENDS)}
 RESULTS = BENCH_DIR / "results"
 # fallbacks when bench/results/<device>/ceilings.json is missing: H200 copy bandwidth (bytes read + written)
 DEFAULT_COPY_GBPS = 4300.0
@@ -99,8 +103,16 @@ def backend_usable(backend: str) -> bool:
 
 
 # ---------------------------------------------------------------- one benchmark case
+def _case_info(spec: registry.OpSpec, backend: str, shape: dict, dtype: str, label) -> dict:
+    info = {"op": spec.name, "backend": backend, "dtype": dtype, "shape": dict(shape), "x": spec.bench_x,
+            "unit": spec.unit}
+    if label:
+        info["label"] = label
+    return info
+
+
 def time_case(benchmark, fn, *, spec: registry.OpSpec, problem: dict, backend: str, shape: dict,
-              dtype: str) -> dict:
+              dtype: str, label: str | None = None) -> dict:
     """Time `fn` with do_bench (median, CUDA events) and with benchmark.pedantic (synchronizing
     callable); record everything in benchmark.extra_info and return it."""
     ms = bench_ms(fn, warmup=25, rep=100)  # also compiles / warms up
@@ -112,22 +124,63 @@ def time_case(benchmark, fn, *, spec: registry.OpSpec, problem: dict, backend: s
     benchmark.group = f"{spec.name} {registry.describe(shape)} {dtype}"
     benchmark.pedantic(synced, rounds=PEDANTIC_ROUNDS, warmup_rounds=PEDANTIC_WARMUP, iterations=1)
     cost = spec.cost(problem)
-    info = {"op": spec.name, "backend": backend, "dtype": dtype, "shape": dict(shape), "x": spec.bench_x,
+    info = {**_case_info(spec, backend, shape, dtype, label),
             "ms": ms, "bytes": cost.get("bytes"), "flops": cost.get("flops"), **spec.throughput(problem, ms),
             **env_info()}
     benchmark.extra_info.update(info)
     return info
 
 
-def bench_op(benchmark, op: str, shape: dict, backend: str, dtype: str = "bf16", seed: int = 0) -> dict:
-    """One case of the suite: skip an unusable backend, build the problem on the GPU, time it."""
+def record_unsupported(benchmark, *, spec: registry.OpSpec, backend: str, shape: dict, dtype: str, reason: str,
+                       label: str | None = None) -> dict:
+    """A row saying `backend` cannot run this case (kept in the JSON so the tables show it); the
+    pytest-benchmark statistics of such a row are those of an empty call and mean nothing."""
+    benchmark.group = f"{spec.name} {registry.describe(shape)} {dtype}"
+    benchmark.pedantic(lambda: None, rounds=1, warmup_rounds=0, iterations=1)
+    info = {**_case_info(spec, backend, shape, dtype, label), "ms": None, "unsupported": reason, **env_info()}
+    benchmark.extra_info.update(info)
+    return info
+
+
+# one problem at a time is kept: the cases of one shape (all backends) share it
+_PROBLEM: dict = {"key": None, "problem": None}
+
+
+def get_problem(spec: registry.OpSpec, shape: dict, dtype: str, seed: int = 0) -> dict:
+    """The random problem of a case on the GPU, reused by consecutive cases of the same shape."""
+    key = (spec.name, json.dumps(shape, sort_keys=True), dtype, seed)
+    if _PROBLEM["key"] != key:
+        _PROBLEM.update(key=None, problem=None)
+        if gpu():
+            torch.cuda.empty_cache()
+        _PROBLEM.update(key=key, problem=spec.random_problem(**shape, dtype=dtype, device="cuda", seed=seed))
+    return _PROBLEM["problem"]
+
+
+def bench_op(benchmark, op: str, shape: dict, backend: str, dtype: str = "bf16", seed: int = 0, *,
+             builders: dict | None = None, label: str | None = None) -> dict:
+    """One case of the suite: skip an unusable backend, build the problem on the GPU, time it.
+
+    `builders` maps extra backend names (baselines) to `build(problem) -> callable`; a builder raising
+    `baselines.Unsupported` gives an "unsupported" row and a skipped case. `label` names the shape in
+    the tables and plots."""
     import pytest
+    from baselines import Unsupported
     if not backend_usable(backend):
         pytest.skip(f"backend {backend} is not usable here (see `flashswitch info`)")
     spec = registry.get(op)
-    problem = spec.random_problem(**shape, dtype=dtype, device="cuda", seed=seed)
-    fn = make_callable(spec, backend, problem)
-    return time_case(benchmark, fn, spec=spec, problem=problem, backend=backend, shape=shape, dtype=dtype)
+    problem = get_problem(spec, shape, dtype, seed)
+    try:
+        if builders and backend in builders:
+            fn = builders[backend](problem)
+        else:
+            fn = make_callable(spec, backend, problem)
+    except Unsupported as err:
+        record_unsupported(benchmark, spec=spec, backend=backend, shape=shape, dtype=dtype, reason=str(err),
+                           label=label)
+        pytest.skip(f"{backend} unsupported: {err}")
+    return time_case(benchmark, fn, spec=spec, problem=problem, backend=backend, shape=shape, dtype=dtype,
+                     label=label)
 
 
 # ---------------------------------------------------------------- ceilings

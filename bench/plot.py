@@ -2,11 +2,16 @@
 
     python bench/plot.py bench/results/<device>/<op>.json [more.json ...]
 
-writes, next to each JSON:
-  <op>.png  throughput vs the sweep axis (sequence length N for op 1), one line per backend
-  <op>.md   shape, backend, median ms (do_bench), throughput, % of the measured ceiling (ceilings.json
-            in the same folder, from bench/ceilings.py; else the nominal copy bandwidth) and speedup
-            vs the eager PyTorch reference
+writes, next to each JSON (what each op gets comes from its registry entry, `bench_plot`,
+`bench_compare`, `bench_roof`):
+  <op>.png  "throughput": throughput vs the sweep axis (sequence length N for op 1), one line per
+            backend; "speedup": speedup over one baseline (sdpa_causal for op 2) vs the sweep axis,
+            plus <op>_throughput.png; "bars": throughput per shape, one bar per backend (op 3)
+  <op>.md   shape, backend, median ms (do_bench), throughput (TFLOP/s and/or GB/s), % of the measured
+            ceilings (ceilings.json in the same folder, from bench/ceilings.py; else the nominal copy
+            bandwidth), speedup vs each baseline of the op (the eager PyTorch reference for op 1, flex
+            and sdpa_causal for op 2, grouped_mm_pipeline for op 3) and % of the roof backend
+            (dense_equal_macs for op 3); baselines that cannot run a shape show as "unsupported"
 """
 from __future__ import annotations
 
@@ -23,12 +28,28 @@ from common import BACKEND_ORDER, load_ceilings  # noqa: E402
 UNITS = ("GB/s", "TFLOP/s")
 
 
+def op_settings(op: str) -> dict:
+    """{"unit", "compare", "roof", "plot"} of an op from its registry entry (defaults otherwise)."""
+    out = {"unit": None, "compare": ("reference",), "roof": None, "plot": {"kind": "throughput"}}
+    try:
+        from flashswitch import registry
+        spec = registry.OPS.get(op)
+    except Exception:
+        spec = None
+    if spec is not None:
+        out.update(unit=spec.unit, compare=tuple(spec.bench_compare), roof=spec.bench_roof, plot=dict(spec.bench_plot))
+    return out
+
+
 def load_rows(path: Path) -> tuple[list[dict], dict]:
     """One row per benchmark that recorded a do_bench time; plus the file's header facts."""
     data = json.loads(Path(path).read_text())
     rows = []
     for b in data.get("benchmarks", []):
         ei = b.get("extra_info") or {}
+        if ei.get("unsupported"):
+            rows.append({**ei, "ms": None, "pedantic_ms": None})
+            continue
         if ei.get("ms") is None:
             continue
         stats = b.get("stats") or {}
@@ -47,54 +68,102 @@ def _key(shape: dict) -> str:
     return json.dumps(shape, sort_keys=True)
 
 
-def _unit(rows: list[dict]) -> str:
-    for u in UNITS:
-        if any(r.get(u) is not None for r in rows):
-            return u
-    return "GB/s"
+def _units(rows: list[dict], primary: str | None = None) -> list[str]:
+    """The throughput units the rows carry, the op's own unit first."""
+    have = [u for u in UNITS if any(r.get(u) is not None for r in rows)]
+    if primary in have:
+        have.remove(primary)
+        have.insert(0, primary)
+    return have or [primary or "GB/s"]
+
+
+def _unit(rows: list[dict], primary: str | None = None) -> str:
+    if primary is None:
+        primary = next((r["unit"] for r in rows if r.get("unit")), None)
+    return _units(rows, primary)[0]
 
 
 def _ceiling(unit: str, ceilings: dict):
     return ceilings["copy_GBps"] if unit == "GB/s" else ceilings.get("matmul_TFLOPs")
 
 
+def _label(r: dict) -> str:
+    return f"{r['label']}: {shape_str(r['shape'])}" if r.get("label") else shape_str(r["shape"])
+
+
+def _ms_of(rows: list[dict], backend: str) -> dict:
+    """(shape key, dtype) -> median ms of `backend` (timed rows only)."""
+    return {(_key(r["shape"]), r.get("dtype")): r["ms"] for r in rows
+            if r["backend"] == backend and r.get("ms")}
+
+
 def markdown(rows: list[dict], meta: dict, ceilings: dict, op: str) -> str:
-    unit = _unit(rows)
-    ceil = _ceiling(unit, ceilings)
-    ref = {(_key(r["shape"]), r.get("dtype")): r["ms"] for r in rows if r["backend"] == "reference"}
+    st = op_settings(op)
+    timed = [r for r in rows if r.get("ms")]
+    units = _units(timed, st["unit"] or _unit(timed))
+    compare = [b for b in st["compare"] if any(r["backend"] == b for r in timed)] or list(st["compare"][:1])
+    base = {b: _ms_of(rows, b) for b in compare}
+    roof = _ms_of(rows, st["roof"]) if st["roof"] else None
     order = OrderedDict()
     for r in rows:
         order.setdefault(_key(r["shape"]), len(order))
     rows = sorted(rows, key=lambda r: (order[_key(r["shape"])], r.get("dtype") or "",
                                        BACKEND_ORDER.get(r["backend"], 99), r["backend"]))
-    ceil_label = f"% of {ceil:.0f} {unit}" if ceil else "% of ceiling"
+    head = ["shape", "dtype", "backend", "median ms", "pedantic ms"]
+    for u in units:
+        head.append(u)
+        c = _ceiling(u, ceilings)
+        if c:
+            head.append(f"% of {c:.0f} {u}")
+    head += [f"speedup vs {b}" for b in compare]
+    if roof is not None:
+        head.append(f"% of roof ({st['roof']})")
+    ceil_src = ceilings["source"]
     lines = [
         f"# {op} on {meta.get('device')}",
         "",
         f"torch {meta.get('torch')}, triton {meta.get('triton')}, CUDA {meta.get('cuda')}, "
         f"capability {meta.get('capability')}; run {meta.get('datetime')}.",
         f"Times: `triton.testing.do_bench` median (CUDA events, L2 flushed); pedantic: wall clock per "
-        f"synchronized call. Ceiling: {ceilings['source']}.",
+        f"synchronized call. Ceilings: {ceil_src}. Every row's throughput counts the work of the op "
+        f"itself ({', '.join(units)}), whatever the backend computes.",
         "",
-        f"| shape | dtype | backend | median ms | pedantic ms | {unit} | {ceil_label} | speedup vs reference |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|",
     ]
     for r in rows:
-        thr = r.get(unit)
-        pct = f"{100 * thr / ceil:.1f}%" if thr is not None and ceil else "-"
-        base = ref.get((_key(r["shape"]), r.get("dtype")))
-        speed = f"{base / r['ms']:.2f}x" if base else "-"
-        lines.append(f"| {shape_str(r['shape'])} | {r.get('dtype', '-')} | {r['backend']} | {r['ms']:.4f} | "
-                     f"{r['pedantic_ms']:.4f} | {'-' if thr is None else f'{thr:.1f}'} | {pct} | {speed} |")
+        cells = [_label(r), r.get("dtype", "-"), r["backend"]]
+        if r.get("unsupported"):
+            cells += ["unsupported"] + ["-"] * (len(head) - 4)
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
+        cells += [f"{r['ms']:.4f}", "-" if r.get("pedantic_ms") is None else f"{r['pedantic_ms']:.4f}"]
+        for u in units:
+            thr = r.get(u)
+            cells.append("-" if thr is None else f"{thr:.1f}")
+            c = _ceiling(u, ceilings)
+            if c:
+                cells.append(f"{100 * thr / c:.1f}%" if thr is not None else "-")
+        k = (_key(r["shape"]), r.get("dtype"))
+        for b in compare:
+            ms = base[b].get(k)
+            cells.append(f"{ms / r['ms']:.2f}x" if ms else "-")
+        if roof is not None:
+            ms = roof.get(k)
+            cells.append(f"{100 * ms / r['ms']:.1f}%" if ms else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = sorted({f"{r['backend']}: {r['unsupported']}" for r in rows if r.get("unsupported")})
+    if notes:
+        lines += ["", "Unsupported:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
 
 def sweep_rows(rows: list[dict]) -> tuple[str, list[dict]]:
-    """The x key and the rows of the largest family of shapes that differ only in x."""
+    """The x key and the timed rows of the largest family of shapes that differ only in x."""
     x = next((r.get("x") for r in rows if r.get("x")), "N")
     families: dict = {}
     for r in rows:
-        if x not in r["shape"]:
+        if x not in r["shape"] or not r.get("ms"):
             continue
         rest = {k: v for k, v in r["shape"].items() if k != x}
         families.setdefault((_key(rest), r.get("dtype")), []).append(r)
@@ -104,15 +173,37 @@ def sweep_rows(rows: list[dict]) -> tuple[str, list[dict]]:
     return x, best
 
 
-def plot(rows: list[dict], meta: dict, ceilings: dict, op: str, out: Path) -> bool:
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
-    unit = _unit(rows)
+
+def _x_axis(ax, x: str, fam: list[dict]) -> None:
+    ax.set_xscale("log", base=2)
+    xs = sorted({r["shape"][x] for r in fam})
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(v) for v in xs])
+    ax.minorticks_off()
+    ax.set_xlabel(x)
+
+
+def _save(fig, ax, out: Path, plt) -> None:
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def plot(rows: list[dict], meta: dict, ceilings: dict, op: str, out: Path) -> bool:
+    """Throughput vs the sweep axis, one line per backend."""
+    unit = _unit([r for r in rows if r.get("ms")], op_settings(op)["unit"])
     x, fam = sweep_rows(rows)
     if not fam:
         return False
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 4.5), dpi=120)
     by_backend: dict = {}
     for r in fam:
@@ -125,17 +216,73 @@ def plot(rows: list[dict], meta: dict, ceilings: dict, op: str, out: Path) -> bo
     if ceil:
         ax.axhline(ceil, color="gray", linestyle="--", linewidth=1,
                    label=f"ceiling {ceil:.0f} {unit}")
-    ax.set_xscale("log", base=2)
-    xs = sorted({r["shape"][x] for r in fam})
-    ax.set_xticks(xs)
-    ax.set_xticklabels([str(v) for v in xs])
-    ax.minorticks_off()
-    ax.set_xlabel(x)
+    _x_axis(ax, x, fam)
     ax.set_ylabel(unit)
     fixed = {k: v for k, v in fam[0]["shape"].items() if k != x}
     ax.set_title(f"{op} on {meta.get('device')}: {shape_str(fixed)} {fam[0].get('dtype', '')}", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
     ax.set_ylim(bottom=0)
+    _save(fig, ax, out, plt)
+    return True
+
+
+def plot_speedup(rows: list[dict], meta: dict, op: str, over: str, out: Path) -> bool:
+    """Speedup over backend `over` (its ms / each backend's ms, same shape) vs the sweep axis."""
+    x, fam = sweep_rows(rows)
+    base = {r["shape"][x]: r["ms"] for r in fam if r["backend"] == over}
+    if not base:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 4.5), dpi=120)
+    by_backend: dict = {}
+    for r in fam:
+        if r["backend"] != over and r["shape"][x] in base:
+            by_backend.setdefault(r["backend"], []).append((r["shape"][x], base[r["shape"][x]] / r["ms"]))
+    for b in sorted(by_backend, key=lambda b: BACKEND_ORDER.get(b, 99)):
+        pts = sorted(by_backend[b])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label=f"{over} (1x)")
+    _x_axis(ax, x, fam)
+    ax.set_yscale("log", base=2)
+    from matplotlib.ticker import FuncFormatter
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.set_ylabel(f"speedup over {over}")
+    fixed = {k: v for k, v in fam[0]["shape"].items() if k != x}
+    ax.set_title(f"{op} on {meta.get('device')}: speedup over {over}, {shape_str(fixed)} "
+                 f"{fam[0].get('dtype', '')}", fontsize=9)
+    _save(fig, ax, out, plt)
+    return True
+
+
+def plot_bars(rows: list[dict], meta: dict, op: str, out: Path) -> bool:
+    """Throughput per shape, one bar per backend; backends that cannot run a shape are marked n/a."""
+    timed = [r for r in rows if r.get("ms")]
+    if not timed:
+        return False
+    unit = _unit(timed, op_settings(op)["unit"])
+    shapes = OrderedDict()
+    for r in rows:
+        shapes.setdefault(_key(r["shape"]), r.get("label") or shape_str(r["shape"]))
+    backends = sorted({r["backend"] for r in rows}, key=lambda b: (BACKEND_ORDER.get(b, 99), b))
+    val = {(_key(r["shape"]), r["backend"]): r.get(unit) for r in timed}
+    unsupported = {(_key(r["shape"]), r["backend"]) for r in rows if r.get("unsupported")}
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(8.5, 1.6 * len(shapes) + 3), 4.8), dpi=120)
+    width = 0.8 / max(1, len(backends))
+    top = max((v for v in val.values() if v is not None), default=1.0)
+    for i, b in enumerate(backends):
+        xs = [j + (i - (len(backends) - 1) / 2) * width for j in range(len(shapes))]
+        hs = [val.get((k, b)) or 0.0 for k in shapes]
+        ax.bar(xs, hs, width=width, label=b)
+        for xx, k in zip(xs, shapes):
+            if (k, b) in unsupported:
+                ax.text(xx, top * 0.01, "n/a", rotation=90, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(shapes)))
+    ax.set_xticklabels(list(shapes.values()), rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(unit)
+    dt = timed[0].get("dtype", "")
+    ax.set_title(f"{op} on {meta.get('device')} ({dt})", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out)
@@ -156,7 +303,17 @@ def process(path: Path, ceilings_path: Path | None = None) -> list[Path]:
     md.write_text(markdown(rows, meta, ceilings, op))
     written.append(md)
     png = path.with_suffix(".png")
-    if plot(rows, meta, ceilings, op, png):
+    kind = op_settings(op)["plot"]
+    if kind.get("kind") == "speedup":
+        if plot_speedup(rows, meta, op, kind["over"], png):
+            written.append(png)
+        extra = path.with_name(f"{path.stem}_throughput.png")
+        if plot(rows, meta, ceilings, op, extra):
+            written.append(extra)
+    elif kind.get("kind") == "bars":
+        if plot_bars(rows, meta, op, png):
+            written.append(png)
+    elif plot(rows, meta, ceilings, op, png):
         written.append(png)
     for w in written:
         print(f"wrote {w}")

@@ -1,35 +1,41 @@
 #!/usr/bin/env bash
-# One GPU session in one command: build the extension, run the suite, cross-check, measure the
-# ceilings, tune, benchmark and plot. Everything lands in bench/results/<device>/ and the config
-# folder; logs and a tarball of both go to $OUT (default ./gpu_out).
-#   STAGES=build,test,check,ceilings,autotune,bench OPS=chunk_summaries TUNE_BUDGET=240 bench/run_gpu.sh
+# One GPU session in one command: build the extension, run the suite (one pytest process per file, so
+# a crash in one file cannot hide the others), cross-check, measure the ceilings, tune, benchmark and
+# plot. Results land in bench/results/<device>/ and the config folder; logs go to $OUT/logs and
+# everything is packed into $OUT/results.tgz (default OUT: ./gpu_out).
+#   STAGES=build,test,check,ceilings,autotune,bench OPS=chunk_summaries TESTS='tests/test_x.py ...' \
+#   TUNE_BUDGET=240 bench/run_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
+OUT="${OUT:-$PWD/gpu_out}"; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" MAX_JOBS="${MAX_JOBS:-16}"
 STAGES=",${STAGES:-build,test,check,ceilings,autotune,bench},"
-OPS="${OPS:-chunk_summaries}"
+OPS="${OPS:-chunk_summaries,eva_attention,expert_matmul}"
 PY="${PY:-python3}"
 status=0
 stage() { [[ "$STAGES" == *",$1,"* ]]; }
-run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
+run() {  # run NAME CMD...: log to $LOGS/NAME.log, print its last lines, remember failures, keep going
   local name=$1; shift
-  echo "== $name: $*"
   local t0=$SECONDS
-  "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  tail -n "${TAIL:-15}" "$OUT/$name.log"
+  "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
   echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-4}" "$LOGS/$name.log"
   [ $rc -eq 0 ] || status=1
 }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOGS/nvidia-smi.log"
 stage build && run build $PY -m pip install --no-build-isolation --no-deps -v -e .
-$PY -m flashswitch info | tee "$OUT/info.log"
-stage test && run test $PY -m pytest tests -q -x -p no:cacheprovider ${PYTEST_ARGS:-}
+$PY -m flashswitch info > "$LOGS/info.log" 2>&1
+if stage test; then
+  for f in ${TESTS:-tests/test_*.py}; do
+    run "$(basename "$f" .py)" $PY -m pytest "$f" -q -p no:cacheprovider -rfE --durations=5 ${PYTEST_ARGS:-}
+  done
+fi
 stage check && run check $PY -m flashswitch check
 stage ceilings && run ceilings $PY bench/ceilings.py
-stage autotune && run autotune $PY -m flashswitch autotune --ops ${OPS//,/ } --budget "${TUNE_BUDGET:-240}" --resume
+stage autotune && run autotune $PY -m flashswitch autotune --ops ${OPS//,/ } --budget "${TUNE_BUDGET:-240}" --resume ${TUNE_ARGS:-}
 if stage bench; then
   for op in ${OPS//,/ }; do run "bench_$op" $PY -m flashswitch bench --ops "$op"; done
 fi
-tar czf "$OUT/results.tgz" bench/results flashswitch/autotune/configs 2>/dev/null
+tar czf "$OUT/results.tgz" bench/results flashswitch/autotune/configs -C "$OUT" logs 2>/dev/null
+rm -rf "$LOGS"
 exit $status

@@ -304,6 +304,7 @@ TUNE_SHAPES = {
         dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=32, W=256, window="sliding"),
         dict(B=2, H=16, Hkv=4, Nk=8192, D=128, C=16, W=1024, window="block"),
         dict(B=1, H=16, Hkv=16, Nk=32768, D=64, C=16, W=2048, window="block"),
+        dict(B=2, H=16, Hkv=16, Nk=16384, D=64, C=16, W=2048, window="block"),
         dict(B=32, H=16, Hkv=16, Nq=1, Nk=32768, D=128, C=32, W=256, window="block"),
         dict(B=8, H=32, Hkv=8, Nq=1, Nk=16384, D=128, C=16, W=1024, window="sliding"),
     ],

@@ -502,6 +502,8 @@ def eva_attention(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_siz
         bias_mode = EVA_BIAS_LOG_COUNT if log_count else EVA_BIAS_NONE
     if B * H * Nq == 0:
         return
+    if Nc == 0:  # no summaries: nothing reads k_sum, v_sum or a bias, which may be empty tensors
+        bias, bias_mode = None, EVA_BIAS_NONE
 
     code = DTYPE_CODES[q.dtype]
     qs, ks = (B, H, Nq), (B, Hkv, Nk)

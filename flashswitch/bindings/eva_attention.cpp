@@ -101,6 +101,10 @@ void eva_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     for (int i = 0; i < 3; ++i) a.bias_stride[i] = t.stride(i);
   }
   if (B * H * Nq == 0) return;
+  if (Nc == 0) {  // no summaries: nothing reads k_sum, v_sum or a bias, which may be empty (null) tensors
+    a.bias_mode = FS_EVA_BIAS_NONE;
+    a.bias = nullptr;
+  }
 
   a.q = q.data_ptr();
   a.k = k.data_ptr();
