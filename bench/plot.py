@@ -118,6 +118,9 @@ def markdown(rows: list[dict], meta: dict, ceilings: dict, op: str) -> str:
     head += [f"speedup vs {b}" for b in compare]
     if roof is not None:
         head.append(f"% of roof ({st['roof']})")
+    rotating = any(r.get("ms_rotating") for r in rows)
+    if rotating:
+        head += ["rotating ms"] + [f"{u} rotating" for u in units]
     ceil_src = ceilings["source"]
     lines = [
         f"# {op} on {meta.get('device')}",
@@ -151,7 +154,15 @@ def markdown(rows: list[dict], meta: dict, ceilings: dict, op: str) -> str:
         if roof is not None:
             ms = roof.get(k)
             cells.append(f"{100 * ms / r['ms']:.1f}%" if ms else "-")
+        if rotating:
+            rms = r.get("ms_rotating")
+            cells.append("-" if not rms else f"{rms:.4f}")
+            cells += ["-" if r.get(f"{u} rotating") is None else f"{r[f'{u} rotating']:.1f}" for u in units]
         lines.append("| " + " | ".join(cells) + " |")
+    if rotating:
+        lines += ["", "rotating: median CUDA-event time per call cycling through distinct input sets (together "
+                  ">= 4x the L2) with no flush; do_bench's flush zeroes 256 MB before each call and leaves up to "
+                  "one L2 of dirty lines that the timed call must write back."]
     notes = sorted({f"{r['backend']}: {r['unsupported']}" for r in rows if r.get("unsupported")})
     if notes:
         lines += ["", "Unsupported:"] + [f"- {n}" for n in notes]

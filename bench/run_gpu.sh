@@ -4,7 +4,7 @@
 # plot. Results land in bench/results/<device>/ and the config folder; logs go to $OUT/logs and
 # everything is packed into $OUT/results.tgz (default OUT: ./gpu_out).
 #   STAGES=build,test,check,ceilings,autotune,bench OPS=chunk_summaries TESTS='tests/test_x.py ...' \
-#   TUNE_BUDGET=240 bench/run_gpu.sh
+#   TUNE_BUDGET=240 STAGE_LIMIT=1200 bench/run_gpu.sh   (STAGE_LIMIT: seconds per stage)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"; LOGS="$OUT/logs"; mkdir -p "$LOGS"
@@ -17,7 +17,7 @@ stage() { [[ "$STAGES" == *",$1,"* ]]; }
 run() {  # run NAME CMD...: log to $LOGS/NAME.log, print its last lines, remember failures, keep going
   local name=$1; shift
   local t0=$SECONDS
-  "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
+  timeout "${STAGE_LIMIT:-1200}" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
   echo "== $name: rc=$rc in $((SECONDS - t0)) s"
   tail -n "${TAIL:-4}" "$LOGS/$name.log"
   [ $rc -eq 0 ] || status=1

@@ -67,6 +67,7 @@ class OpSpec:
     bench_compare: tuple = ("reference",)
     bench_roof: Optional[str] = None
     bench_plot: dict = field(default_factory=lambda: {"kind": "throughput"})
+    bench_rotate: bool = False  # memory-bound: also time over rotating input sets (bench/common.py)
     torch_reference: Optional[Callable] = None
 
     # ------------------------------------------------------------ modules
@@ -193,6 +194,7 @@ CHUNK_SUMMARIES = OpSpec(
         dict(B=2, H=16, N=8192, D=128, C=16),
     ),
     bench_x="N",
+    bench_rotate=True,
 )
 
 

@@ -99,7 +99,7 @@ def _cs_cuda_space(f: dict) -> list[dict]:
     # CUDA/CuPy kernel (kernels_cuda/chunk_summaries.cu): threads per block, rows of k and v loaded
     # per lane group before use, and lane groups sharing one chunk (split; 0 = chosen at launch
     # from the grid size, the default). More split only helps long chunks with few of them.
-    splits = [s for s in (1, 2, 4, 8) if s <= max(1, f["C"] // 2)]
+    splits = [0] + [s for s in (1, 2, 4, 8) if s <= max(1, f["C"] // 2)]  # 0: chosen at launch
     return [{"threads": t, "unroll": u, "split": s} for t in (64, 128, 256) for u in (1, 2, 4) for s in splits]
 
 

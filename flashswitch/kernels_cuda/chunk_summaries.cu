@@ -106,6 +106,8 @@ __global__ void __launch_bounds__(FS_CS_MAX_THREADS) chunk_summaries_fwd_kernel(
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         ok[u] = it + (i64)u * P + r < len;
+        // Padded rows are never loaded: their contents may be inf/NaN, and 0 * inf would leak in.
+        if (mp != nullptr && ok[u]) ok[u] = mp[u * mstep] != 0;
 #pragma unroll
         for (int i = 0; i < VPL; ++i) {
           if (ok[u] && d_lane + i * G * VEC < D) {
@@ -116,7 +118,6 @@ __global__ void __launch_bounds__(FS_CS_MAX_THREADS) chunk_summaries_fwd_kernel(
             vx[u][i].zero();
           }
         }
-        if (mp != nullptr && ok[u]) ok[u] = mp[u * mstep] != 0;
       }
       kp += U * kstep;
       vp += U * vstep;
