@@ -15,6 +15,7 @@ import math
 import os
 import re
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -32,7 +33,13 @@ def device_name() -> Optional[str]:
     import torch
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_name()
+    return _device_name(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    import torch
+    return torch.cuda.get_device_name(index)
 
 
 def device_slug(name: str) -> str:
@@ -71,12 +78,32 @@ def _load(path: str, mtime: float) -> dict:
         return {"ops": {}}
 
 
+# Every kernel call looks its config up: a file is stat'ed at most once a second per process
+# (a stat costs tens of microseconds on some filesystems, as much as a small kernel).
+_STAT_INTERVAL_S = 1.0
+_stat_cache: dict = {}  # path -> (monotonic time of the stat, mtime or None when missing)
+
+
+def _mtime(path: str) -> Optional[float]:
+    now = time.monotonic()
+    hit = _stat_cache.get(path)
+    if hit is not None and now - hit[0] < _STAT_INTERVAL_S:
+        return hit[1]
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError:
+        mtime = None
+    _stat_cache[path] = (now, mtime)
+    return mtime
+
+
 def load(path: Optional[Path] = None) -> dict:
     """The tuned table for this device ({"ops": {}} when there is none)."""
     path = path or device_file()
-    if path is None or not path.exists():
+    mtime = None if path is None else _mtime(str(path))
+    if mtime is None:
         return {"ops": {}}
-    return _load(str(path), path.stat().st_mtime)
+    return _load(str(path), mtime)
 
 
 def save(data: dict, path: Path) -> None:
@@ -91,6 +118,7 @@ def save(data: dict, path: Path) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
         os.replace(tmp, path)
+        _stat_cache.pop(str(path), None)  # this process sees its own write at once
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
