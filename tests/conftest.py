@@ -56,3 +56,11 @@ def dtypes_here():
     if DEVICE == "cuda":
         return [torch.float32, torch.float16, torch.bfloat16]
     return [torch.float32, torch.float16]
+
+
+def pytest_report_header(config):
+    prof = settings()
+    name = getattr(settings, "_current_profile", None) or os.environ.get("HYPOTHESIS_PROFILE", "?")
+    return [f"flashswitch: device {DEVICE}, kernel backends {kernel_backends()}, "
+            f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}",
+            f"hypothesis profile {name!r}: max_examples={prof.max_examples}"]
