@@ -140,8 +140,22 @@ def _distance(a: dict, b: dict) -> float:
     return d
 
 
+_entry_memo: dict = {}  # (file, mtime, op, bucket, backend) -> entry: one search per bucket per process
+
+
 def _entry(op: str, feats: dict, backend: Optional[str] = None) -> Optional[dict]:
-    table = load()["ops"].get(op, {})
+    path = device_file()
+    mtime = None if path is None else _mtime(str(path))
+    key = (str(path), mtime, op, bucket_key(feats), backend)
+    if key not in _entry_memo:
+        if len(_entry_memo) > 4096:
+            _entry_memo.clear()
+        _entry_memo[key] = _search(load(path) if mtime is not None else {"ops": {}}, op, feats, backend)
+    return _entry_memo[key]
+
+
+def _search(data: dict, op: str, feats: dict, backend: Optional[str]) -> Optional[dict]:
+    table = data["ops"].get(op, {})
     hit = table.get(bucket_key(feats))
     if hit is not None and (backend is None or backend in hit.get("backends", {})):
         return hit
