@@ -14,37 +14,14 @@
 #include <string>
 #include <vector>
 
+#include "checks.h"
 #include "chunk_summaries.h"
 
 namespace {
 
-int dtype_code(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return FS_DTYPE_F32;
-    case at::kHalf: return FS_DTYPE_F16;
-    case at::kBFloat16: return FS_DTYPE_BF16;
-    default: return -1;
-  }
-}
+using namespace flashswitch::checks;
 
-void check_float(const char* name, const at::Tensor& t) {
-  TORCH_CHECK(dtype_code(t.scalar_type()) >= 0, "chunk_summaries_fwd: ", name, " has dtype ", t.scalar_type(),
-              "; expected float16, bfloat16 or float32");
-}
-
-void check_on(const char* name, const at::Tensor& t, const at::Tensor& k) {
-  TORCH_CHECK(t.is_cuda() && t.device() == k.device(), "chunk_summaries_fwd: ", name, " is on ", t.device(),
-              ", expected ", k.device());
-}
-
-void check_shape(const char* name, const at::Tensor& t, at::IntArrayRef shape) {
-  TORCH_CHECK(t.sizes() == shape, "chunk_summaries_fwd: ", name, " has shape ", t.sizes(), ", expected ", shape);
-}
-
-void check_last_contiguous(const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, "chunk_summaries_fwd: ", name,
-              " must be contiguous in its last dim (stride ", t.stride(-1), ")");
-}
+constexpr const char* kOp = "chunk_summaries_fwd";
 
 void chunk_summaries_fwd(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& omega,
                          const std::optional<at::Tensor>& key_weight, const std::optional<at::Tensor>& valid,
@@ -53,28 +30,28 @@ void chunk_summaries_fwd(const at::Tensor& k, const at::Tensor& v, const std::op
   TORCH_CHECK(k.is_cuda(), "chunk_summaries_fwd: k must be a CUDA tensor, got ", k.device());
   TORCH_CHECK(k.dim() == 4, "chunk_summaries_fwd: k must be [B, H, N, D], got shape ", k.sizes());
   TORCH_CHECK(chunk_size >= 1, "chunk_summaries_fwd: chunk_size must be >= 1, got ", chunk_size);
-  check_float("k", k);
+  check_float(kOp, "k", k);
   const int64_t B = k.size(0), H = k.size(1), N = k.size(2), D = k.size(3);
   const int64_t Nc = (N + chunk_size - 1) / chunk_size;
   TORCH_CHECK(D <= FS_CS_MAX_D, "chunk_summaries_fwd: head dim D = ", D, " is larger than the CUDA kernel's limit ",
               FS_CS_MAX_D);
-  check_last_contiguous("k", k);
+  check_last_contiguous(kOp, "k", k);
 
-  check_on("v", v, k);
+  check_on(kOp, "v", v, k);
   TORCH_CHECK(v.scalar_type() == k.scalar_type(), "chunk_summaries_fwd: v has dtype ", v.scalar_type(),
               " but k has ", k.scalar_type());
-  check_shape("v", v, k.sizes());
-  check_last_contiguous("v", v);
+  check_shape(kOp, "v", v, k.sizes());
+  check_last_contiguous(kOp, "v", v);
 
   const void* omega_ptr = nullptr;
   int omega_dtype = 0;
   int64_t omega_stride[3] = {0, 0, 0};
   if (omega.has_value()) {
     const at::Tensor& o = *omega;
-    check_on("omega", o, k);
-    check_float("omega", o);
-    check_shape("omega", o, {B, H, Nc, D});
-    check_last_contiguous("omega", o);
+    check_on(kOp, "omega", o, k);
+    check_float(kOp, "omega", o);
+    check_shape(kOp, "omega", o, {B, H, Nc, D});
+    check_last_contiguous(kOp, "omega", o);
     omega_ptr = o.data_ptr();
     omega_dtype = dtype_code(o.scalar_type());
     for (int i = 0; i < 3; ++i) omega_stride[i] = o.stride(i);
@@ -85,10 +62,10 @@ void chunk_summaries_fwd(const at::Tensor& k, const at::Tensor& v, const std::op
   int64_t kw_stride = 0;
   if (key_weight.has_value()) {
     const at::Tensor& w = *key_weight;
-    check_on("key_weight", w, k);
-    check_float("key_weight", w);
-    check_shape("key_weight", w, {H, D});
-    check_last_contiguous("key_weight", w);
+    check_on(kOp, "key_weight", w, k);
+    check_float(kOp, "key_weight", w);
+    check_shape(kOp, "key_weight", w, {H, D});
+    check_last_contiguous(kOp, "key_weight", w);
     kw_ptr = w.data_ptr();
     kw_dtype = dtype_code(w.scalar_type());
     kw_stride = w.stride(0);
@@ -98,24 +75,23 @@ void chunk_summaries_fwd(const at::Tensor& k, const at::Tensor& v, const std::op
   int64_t valid_stride[2] = {0, 0};
   if (valid.has_value()) {
     const at::Tensor& m = *valid;
-    check_on("valid", m, k);
+    check_on(kOp, "valid", m, k);
     TORCH_CHECK(m.scalar_type() == at::kBool, "chunk_summaries_fwd: valid must be bool, got ", m.scalar_type());
-    check_shape("valid", m, {B, N});
+    check_shape(kOp, "valid", m, {B, N});
     valid_ptr = static_cast<const unsigned char*>(m.data_ptr());
     valid_stride[0] = m.stride(0);
     valid_stride[1] = m.stride(1);
   }
 
   for (const auto& [name, out] : {std::pair<const char*, const at::Tensor*>{"k_sum", &k_sum}, {"v_sum", &v_sum}}) {
-    check_on(name, *out, k);
-    TORCH_CHECK(out->scalar_type() == k.scalar_type(), "chunk_summaries_fwd: ", name, " has dtype ",
-                out->scalar_type(), ", expected ", k.scalar_type());
-    check_shape(name, *out, {B, H, Nc, D});
-    check_last_contiguous(name, *out);
+    check_on(kOp, name, *out, k);
+    check_dtype(kOp, name, *out, k.scalar_type());
+    check_shape(kOp, name, *out, {B, H, Nc, D});
+    check_last_contiguous(kOp, name, *out);
   }
-  check_on("lse", lse, k);
+  check_on(kOp, "lse", lse, k);
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "chunk_summaries_fwd: lse must be float32, got ", lse.scalar_type());
-  check_shape("lse", lse, {B, H, Nc});
+  check_shape(kOp, "lse", lse, {B, H, Nc});
 
   fs_chunk_summaries_args a{};
   a.k = k.data_ptr();

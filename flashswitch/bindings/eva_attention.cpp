@@ -14,37 +14,14 @@
 #include <optional>
 #include <vector>
 
+#include "checks.h"
 #include "eva_attention.h"
 
 namespace {
 
-int dtype_code(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return FS_DTYPE_F32;
-    case at::kHalf: return FS_DTYPE_F16;
-    case at::kBFloat16: return FS_DTYPE_BF16;
-    default: return -1;
-  }
-}
+using namespace flashswitch::checks;
 
-void check_on(const char* name, const at::Tensor& t, const at::Tensor& q) {
-  TORCH_CHECK(t.is_cuda() && t.device() == q.device(), "eva_attention_fwd: ", name, " is on ", t.device(),
-              ", expected ", q.device());
-}
-
-void check_shape(const char* name, const at::Tensor& t, at::IntArrayRef shape) {
-  TORCH_CHECK(t.sizes() == shape, "eva_attention_fwd: ", name, " has shape ", t.sizes(), ", expected ", shape);
-}
-
-void check_dtype(const char* name, const at::Tensor& t, at::ScalarType want) {
-  TORCH_CHECK(t.scalar_type() == want, "eva_attention_fwd: ", name, " has dtype ", t.scalar_type(), ", expected ",
-              want);
-}
-
-void check_last_contiguous(const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, "eva_attention_fwd: ", name,
-              " must be contiguous in its last dim (stride ", t.stride(-1), ")");
-}
+constexpr const char* kOp = "eva_attention_fwd";
 
 void eva_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_sum,
                        const at::Tensor& v_sum, const std::optional<at::Tensor>& bias, at::Tensor& o,
@@ -52,8 +29,7 @@ void eva_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        int64_t q_offset, bool log_count) {
   TORCH_CHECK(q.is_cuda(), "eva_attention_fwd: q must be a CUDA tensor, got ", q.device());
   TORCH_CHECK(q.dim() == 4, "eva_attention_fwd: q must be [B, H, Nq, D], got shape ", q.sizes());
-  TORCH_CHECK(dtype_code(q.scalar_type()) >= 0, "eva_attention_fwd: q has dtype ", q.scalar_type(),
-              "; expected float16, bfloat16 or float32");
+  check_float(kOp, "q", q);
   TORCH_CHECK(k.dim() == 4, "eva_attention_fwd: k must be [B, Hkv, Nk, D], got shape ", k.sizes());
   TORCH_CHECK(k_sum.dim() == 4, "eva_attention_fwd: k_sum must be [B, Hkv, Nc, D], got shape ", k_sum.sizes());
   const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3);
@@ -68,7 +44,7 @@ void eva_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               " heads and k has ", Hkv, ": H must be a multiple of Hkv");
   TORCH_CHECK(q_offset >= 0 && q_offset + Nq <= Nk, "eva_attention_fwd: q_offset must satisfy 0 <= q_offset and ",
               "q_offset + Nq <= Nk, got q_offset=", q_offset, ", Nq=", Nq, ", Nk=", Nk);
-  check_last_contiguous("q", q);
+  check_last_contiguous(kOp, "q", q);
 
   const struct {
     const char* name;
@@ -80,22 +56,22 @@ void eva_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                 {"v_sum", &v_sum, {B, Hkv, Nc, D}},
                 {"o", &o, {B, H, Nq, D}}};
   for (const auto& in : inputs) {
-    check_on(in.name, *in.t, q);
-    check_dtype(in.name, *in.t, q.scalar_type());
-    check_shape(in.name, *in.t, in.shape);
-    check_last_contiguous(in.name, *in.t);
+    check_on(kOp, in.name, *in.t, q);
+    check_dtype(kOp, in.name, *in.t, q.scalar_type());
+    check_shape(kOp, in.name, *in.t, in.shape);
+    check_last_contiguous(kOp, in.name, *in.t);
   }
-  check_on("lse", lse, q);
-  check_dtype("lse", lse, at::kFloat);
-  check_shape("lse", lse, {B, H, Nq});
+  check_on(kOp, "lse", lse, q);
+  check_dtype(kOp, "lse", lse, at::kFloat);
+  check_shape(kOp, "lse", lse, {B, H, Nq});
 
   fs_eva_attention_args a{};
   a.bias_mode = log_count ? FS_EVA_BIAS_LOG_COUNT : FS_EVA_BIAS_NONE;
   if (bias.has_value()) {
     const at::Tensor& t = *bias;
-    check_on("bias", t, q);
-    check_dtype("bias", t, at::kFloat);
-    check_shape("bias", t, {B, Hkv, Nc});
+    check_on(kOp, "bias", t, q);
+    check_dtype(kOp, "bias", t, at::kFloat);
+    check_shape(kOp, "bias", t, {B, Hkv, Nc});
     a.bias = t.data_ptr<float>();
     a.bias_mode = FS_EVA_BIAS_TENSOR;
     for (int i = 0; i < 3; ++i) a.bias_stride[i] = t.stride(i);

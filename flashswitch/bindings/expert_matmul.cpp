@@ -14,34 +14,19 @@
 #include <optional>
 #include <vector>
 
+#include "checks.h"
 #include "expert_matmul.h"
 
 namespace {
 
-int em_dtype_code(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return FS_DTYPE_F32;
-    case at::kHalf: return FS_DTYPE_F16;
-    case at::kBFloat16: return FS_DTYPE_BF16;
-    default: return -1;
-  }
-}
+using namespace flashswitch::checks;
 
-void em_check_on(const char* name, const at::Tensor& t, const at::Tensor& x) {
-  TORCH_CHECK(t.is_cuda() && t.device() == x.device(), "expert_matmul_fwd: ", name, " is on ", t.device(),
-              ", expected ", x.device());
-}
-
-void em_check_last_contiguous(const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, "expert_matmul_fwd: ", name,
-              " must be contiguous in its last dim (stride ", t.stride(-1), ")");
-}
+constexpr const char* kOp = "expert_matmul_fwd";
 
 void em_check_index(const char* name, const at::Tensor& t, const at::Tensor& x, at::ScalarType dtype,
                     int64_t numel) {
-  em_check_on(name, t, x);
-  TORCH_CHECK(t.scalar_type() == dtype, "expert_matmul_fwd: ", name, " has dtype ", t.scalar_type(), ", expected ",
-              dtype);
+  check_on(kOp, name, t, x);
+  check_dtype(kOp, name, t, dtype);
   TORCH_CHECK(t.dim() == 1 && t.numel() == numel, "expert_matmul_fwd: ", name, " has shape ", t.sizes(),
               ", expected [", numel, "]");
   TORCH_CHECK(t.is_contiguous(), "expert_matmul_fwd: ", name, " must be contiguous");
@@ -53,19 +38,18 @@ void expert_matmul_fwd(const at::Tensor& x3, const at::Tensor& weight, const std
                        int64_t group_n) {
   TORCH_CHECK(x3.is_cuda(), "expert_matmul_fwd: x must be a CUDA tensor, got ", x3.device());
   TORCH_CHECK(x3.dim() == 3, "expert_matmul_fwd: x must be [T, G_in, d_in], got shape ", x3.sizes());
-  const int x_dtype = em_dtype_code(x3.scalar_type());
-  TORCH_CHECK(x_dtype >= 0, "expert_matmul_fwd: x has dtype ", x3.scalar_type(),
-              "; expected float16, bfloat16 or float32");
-  em_check_last_contiguous("x", x3);
+  check_float(kOp, "x", x3);
+  const int x_dtype = dtype_code(x3.scalar_type());
+  check_last_contiguous(kOp, "x", x3);
   const int64_t T = x3.size(0), G_in = x3.size(1), d_in = x3.size(2);
   TORCH_CHECK(S >= 1, "expert_matmul_fwd: S must be >= 1, got ", S);
   TORCH_CHECK(G_in >= 1 && S % G_in == 0, "expert_matmul_fwd: x has G_in = ", G_in, " groups, which must divide S = ",
               S);
   TORCH_CHECK(G_out >= 1 && S % G_out == 0, "expert_matmul_fwd: G_out = ", G_out, " must divide S = ", S);
 
-  em_check_on("weight", weight, x3);
+  check_on(kOp, "weight", weight, x3);
   TORCH_CHECK(weight.dim() == 3, "expert_matmul_fwd: weight must be [E, d_in, d_out], got shape ", weight.sizes());
-  const int w_dtype = em_dtype_code(weight.scalar_type());
+  const int w_dtype = dtype_code(weight.scalar_type());
   TORCH_CHECK(w_dtype == x_dtype || (w_dtype == FS_DTYPE_F32 && x_dtype != FS_DTYPE_F32),
               "expert_matmul_fwd: weight has dtype ", weight.scalar_type(), " but x has ", x3.scalar_type(),
               "; weight must match x or be float32 with float16/bfloat16 x");
@@ -83,10 +67,9 @@ void expert_matmul_fwd(const at::Tensor& x3, const at::Tensor& weight, const std
   int64_t gates_stride[2] = {0, 0};
   if (gates.has_value()) {
     const at::Tensor& g = *gates;
-    em_check_on("gates", g, x3);
-    gates_dtype = em_dtype_code(g.scalar_type());
-    TORCH_CHECK(gates_dtype >= 0, "expert_matmul_fwd: gates has dtype ", g.scalar_type(),
-                "; expected float16, bfloat16 or float32");
+    check_on(kOp, "gates", g, x3);
+    check_float(kOp, "gates", g);
+    gates_dtype = dtype_code(g.scalar_type());
     TORCH_CHECK(g.dim() == 2 && g.size(0) == T && g.size(1) == S, "expert_matmul_fwd: gates has shape ", g.sizes(),
                 ", expected [", T, ", ", S, "]");
     gates_ptr = g.data_ptr();
@@ -94,12 +77,11 @@ void expert_matmul_fwd(const at::Tensor& x3, const at::Tensor& weight, const std
     gates_stride[1] = g.stride(1);
   }
 
-  em_check_on("y", y, x3);
-  TORCH_CHECK(y.scalar_type() == x3.scalar_type(), "expert_matmul_fwd: y has dtype ", y.scalar_type(), ", expected ",
-              x3.scalar_type());
+  check_on(kOp, "y", y, x3);
+  check_dtype(kOp, "y", y, x3.scalar_type());
   TORCH_CHECK(y.dim() == 3 && y.size(0) == T && y.size(1) == G_out && y.size(2) == d_out,
               "expert_matmul_fwd: y has shape ", y.sizes(), ", expected [", T, ", ", G_out, ", ", d_out, "]");
-  em_check_last_contiguous("y", y);
+  check_last_contiguous(kOp, "y", y);
 
   fs_expert_matmul_plan plan{};
   cudaError_t err = fs_expert_matmul_plan_for(T, S, E, G_out, d_out, deterministic ? 1 : 0,
