@@ -119,6 +119,15 @@ def _resolve_backend(op: str, backend: str, device: str, bucket: Optional[tuple]
     return backend
 
 
+def eager_fast_path(*tensors) -> bool:
+    """Whether an op call may skip its torch.library custom op and call the backend directly: eager
+    (not traced) and needing no autograd. The custom op's dispatcher layers cost tens of microseconds
+    per call, as much as a small kernel; traced calls and calls on tensors that require grad keep them."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
 # ---------------------------------------------------------------- outputs
 def poison_outputs() -> bool:
     """FLASHSWITCH_POISON=1 fills every kernel output with NaN before launch (tests set it)."""

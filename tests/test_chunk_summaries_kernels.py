@@ -274,3 +274,16 @@ def test_offsets_past_int32(backend):
     for name, o, r in zip(NAMES, (k_sum[:, :, -tail:], v_sum[:, :, -tail:], lse[:, :, -tail:]), ref):
         assert_close(name, o, r, torch.float32 if name == "lse" else torch.bfloat16)
     del k, v
+
+
+def test_eager_fast_path_matches_custom_op(backend):
+    """Eager calls without autograd skip the custom op's dispatcher; a call on a tensor that requires
+    grad goes through it. Both give bitwise the same outputs."""
+    from flashswitch import _common
+    p = random_problem(1, 2, 20, 8, 4, device=DEVICE, omega="head", valid=True)
+    fast = flashswitch.chunk_summaries(**p, return_lse=True, backend=backend)
+    k = p["k"].clone().requires_grad_(True)
+    assert _common.eager_fast_path(p["k"]) and not _common.eager_fast_path(k)
+    slow = flashswitch.chunk_summaries(**dict(p, k=k), return_lse=True, backend=backend)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0, equal_nan=False)

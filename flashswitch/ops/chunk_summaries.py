@@ -132,8 +132,11 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
         out = torch_chunk_summaries(k, v, chunk_size, omega=omega, key_weight=key_weight, valid=valid,
                                     scale=scale, return_lse=True)
     else:
-        out = _chunk_summaries_op(k, v, chunk_size, _kernel_view(k, chunk_size, omega), key_weight, valid,
-                                  scale, backend)
+        omega = _kernel_view(k, chunk_size, omega)
+        if C.eager_fast_path(k, v, omega, key_weight):
+            out = _run_backend(backend, k, v, chunk_size, omega, key_weight, valid, scale)
+        else:
+            out = _chunk_summaries_op(k, v, chunk_size, omega, key_weight, valid, scale, backend)
     return tuple(out) if return_lse else (out[0], out[1])
 
 

@@ -163,8 +163,12 @@ def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torc
                                   window=window, scale=scale, summary_bias=summary_bias, q_offset=q_offset,
                                   return_lse=True)
     else:
-        out = _eva_attention_op(q, k, v, k_sum, v_sum, _kernel_bias(bias), chunk_size, window_size, window, scale,
-                                q_offset, log_count, backend)
+        bias = _kernel_bias(bias)
+        args = (q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset, log_count)
+        if C.eager_fast_path(q, k, v, k_sum, v_sum, bias):
+            out = _run_backend(backend, *args)
+        else:
+            out = _eva_attention_op(*args, backend)
     return tuple(out) if return_lse else out[0]
 
 

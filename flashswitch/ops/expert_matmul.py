@@ -258,6 +258,8 @@ def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates:
             raise ValueError("the reference backend needs a route built by flashswitch.route (with expert_idx)")
         from flashswitch.reference.expert_matmul import torch_expert_matmul
         return torch_expert_matmul(x, route.expert_idx, weight, gates=gates, out_groups=out_groups)
+    if C.eager_fast_path(x3, weight, gates):
+        return _run_backend(backend, x3, weight, gates, route, G_out, deterministic)
     return _expert_matmul_op(x3, weight, gates, route.token, route.slot, route.offsets, route.S, G_out,
                              deterministic, backend)
 
