@@ -8,7 +8,10 @@ import torch
 REL_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
 
 
-def to_numpy64(x) -> np.ndarray:
+def to_numpy64(x) -> np.ndarray | None:
+    """x (a tensor, array or nested sequence) as a float64 numpy array on the host; None stays None."""
+    if x is None:
+        return None
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().to(torch.float64).numpy()
     return np.asarray(x, dtype=np.float64)

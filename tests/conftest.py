@@ -64,3 +64,18 @@ def pytest_report_header(config):
     return [f"flashswitch: device {DEVICE}, kernel backends {kernel_backends()}, "
             f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}",
             f"hypothesis profile {name!r}: max_examples={prof.max_examples}"]
+
+
+def dense_causal(q, k, v, q_offset=None, scale=None):
+    """Exact causal softmax attention in fp64, (o, lse): query i at position q_offset + i (default
+    Nk - Nq + i) sees keys j <= it; k, v [B, Hkv, Nk, D] shared by H // Hkv query heads each."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    off = Nk - Nq if q_offset is None else q_offset
+    k = k.to(torch.float64).repeat_interleave(H // Hkv, 1)
+    v = v.to(torch.float64).repeat_interleave(H // Hkv, 1)
+    s = D ** -0.5 if scale is None else scale
+    logits = s * q.to(torch.float64) @ k.transpose(-1, -2)
+    t = torch.arange(Nq, device=q.device)[:, None] + off
+    logits = logits.masked_fill(torch.arange(Nk, device=q.device)[None, :] > t, float("-inf"))
+    return torch.softmax(logits, -1) @ v, torch.logsumexp(logits, -1)

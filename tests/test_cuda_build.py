@@ -3,9 +3,7 @@ launch plan shared by both, and a small GPU smoke test of each against the PyTor
 
 Correctness over many shapes is in test_chunk_summaries_kernels.py (via the `backend` fixture).
 """
-import importlib.util
 import itertools
-import os
 import re
 from pathlib import Path
 
@@ -13,27 +11,11 @@ import pytest
 import torch
 
 from conftest import DEVICE
+from cuda_helpers import need_extension, need_loader, nvrtc_compile
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = ROOT / "flashswitch" / "kernels_cuda"
 SOURCES = sorted(p for p in KERNEL_DIR.iterdir() if p.suffix in (".cu", ".cuh", ".h"))
-
-
-def _extension_expected() -> str:
-    """'' when the extension should have been built here, else why not."""
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} is a CPU build"
-    if os.environ.get("FLASHSWITCH_SKIP_CUDA_BUILD", "0") not in ("", "0"):
-        return "FLASHSWITCH_SKIP_CUDA_BUILD is set"
-    if importlib.util.find_spec("flashswitch._C") is None:
-        return "flashswitch._C is not built (pip install -e . with nvcc available builds it)"
-    return ""
-
-
-def _need_extension():
-    why = _extension_expected()
-    if why:
-        pytest.skip(why)
 
 
 # ---------------------------------------------------------------- sources
@@ -64,8 +46,7 @@ def test_host_code_is_guarded_from_nvrtc():
 
 # ---------------------------------------------------------------- AOT extension
 def test_extension_imports_and_registers():
-    _need_extension()
-    import flashswitch._C  # noqa: F401
+    need_extension()
     from flashswitch.bindings import cuda
     assert cuda.available(), cuda.unavailable_reason()
     schema = str(torch.ops.flashswitch_C.chunk_summaries_fwd.default._schema)
@@ -94,8 +75,7 @@ def _plan_cases():
 
 def test_plan_mirror_matches_c():
     """bindings/cupy.plan is a line-for-line mirror of fs_chunk_summaries_plan_for."""
-    _need_extension()
-    import flashswitch._C  # noqa: F401
+    need_extension()
     from flashswitch.bindings.cupy import plan
     cases = list(_plan_cases())
     for case in cases[::7]:  # a spread of about 2k cases
@@ -130,28 +110,6 @@ def test_plan_vector_width():
 
 
 # ---------------------------------------------------------------- NVRTC
-def _nvrtc():
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-    except Exception as err:  # no cupy, or a cupy without NVRTC
-        pytest.skip(f"cupy's NVRTC binding is not importable ({type(err).__name__})")
-    return nvrtc
-
-
-def _cuda_include() -> str:
-    """A folder with cuda_bf16.h: a toolkit, else the headers of torch's nvidia-cuda-runtime wheel."""
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    try:
-        import nvidia
-        roots += [str(Path(p) / f"cu{(torch.version.cuda or '0').split('.')[0]}") for p in nvidia.__path__]
-    except ImportError:
-        pass
-    for root in roots:
-        if root and (Path(root) / "include" / "cuda_bf16.h").exists():
-            return str(Path(root) / "include")
-    pytest.skip("no CUDA headers (cuda_bf16.h) for NVRTC")
-
-
 NVRTC_NAMES = ["flashswitch::chunk_summaries_fwd_kernel<2,8,1,4,false>",
                "flashswitch::chunk_summaries_fwd_kernel<1,2,4,2,true>",
                "flashswitch::chunk_summaries_fwd_kernel<0,1,8,1,true>"]
@@ -159,24 +117,10 @@ NVRTC_NAMES = ["flashswitch::chunk_summaries_fwd_kernel<2,8,1,4,false>",
 
 def test_nvrtc_compiles_source_without_gpu():
     """The .cu compiles under NVRTC for sm_90 (no device needed): the same code path CuPy takes."""
-    nvrtc = _nvrtc()
-    from flashswitch.bindings import cupy as loader
-    include = _cuda_include()
-    prog = nvrtc.createProgram(loader.source("chunk_summaries.cu"), "chunk_summaries.cu", [], [])
-    try:
-        for name in NVRTC_NAMES:
-            nvrtc.addNameExpression(prog, name)
-        opts = list(loader.compile_options()) + [f"-I{include}", "-arch=sm_90", "-ftz=true",
-                                                   "--device-as-default-execution-space"]
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except Exception:
-            pytest.fail("NVRTC failed:\n" + nvrtc.getProgramLog(prog))
-        for name in NVRTC_NAMES:
-            assert nvrtc.getLoweredName(prog, name).startswith("_ZN11flashswitch26chunk_summaries_fwd_kernel")
-        assert len(nvrtc.getCUBIN(prog)) > 1000
-    finally:
-        nvrtc.destroyProgram(prog)
+    lowered, cubin_bytes = nvrtc_compile("chunk_summaries.cu", NVRTC_NAMES, "-ftz=true")
+    for name in NVRTC_NAMES:
+        assert lowered[name].startswith("_ZN11flashswitch26chunk_summaries_fwd_kernel")
+    assert cubin_bytes > 1000
 
 
 @pytest.mark.gpu
@@ -189,11 +133,6 @@ def test_cupy_compiles_source():
 
 
 # ---------------------------------------------------------------- GPU smoke test of both backends
-def _backends():
-    from flashswitch.bindings import cuda, cupy
-    return [name for name, mod in (("cuda", cuda), ("cupy", cupy)) if mod.available()]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("loader", ["cuda", "cupy"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -202,8 +141,7 @@ def _backends():
                                         ((2, 2, 33, 64, 5), dict(key_weight=True, valid=True,
                                                                  layout="strided"))])
 def test_smoke_vs_torch_reference(loader, dtype, shape, mode):
-    if loader not in _backends():
-        pytest.skip(f"backend {loader} is not available")
+    need_loader(loader)
     from flashswitch.ops import chunk_summaries as op
     from flashswitch.reference.chunk_summaries import random_problem, torch_chunk_summaries
     B, H, N, D, C = shape

@@ -7,15 +7,13 @@ offsets past 2^31 elements.
 Correctness over many shapes and the SPEC properties are in test_eva_attention_kernels.py (via the
 `backend` fixture).
 """
-import importlib.util
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import DEVICE
+from cuda_helpers import available_loaders, extension_op, need_loader, nvrtc_compile
 from flashswitch.reference.eva_attention import numpy_eva_attention, random_problem, torch_eva_attention
 from flashswitch.testing import assert_close
 
@@ -26,48 +24,13 @@ NVRTC_NAMES = ([f"flashswitch::eva_attention_fwd_kernel<{dt},{hd}>" for dt in (1
 
 
 # ---------------------------------------------------------------- NVRTC (no GPU)
-def _nvrtc():
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-    except Exception as err:  # no cupy, or a cupy without NVRTC
-        pytest.skip(f"cupy's NVRTC binding is not importable ({type(err).__name__})")
-    return nvrtc
-
-
-def _cuda_include() -> str:
-    """A folder with cuda_bf16.h: a toolkit, else the headers of torch's nvidia-cuda-runtime wheel."""
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    try:
-        import nvidia
-        roots += [str(Path(p) / f"cu{(torch.version.cuda or '0').split('.')[0]}") for p in nvidia.__path__]
-    except ImportError:
-        pass
-    for root in roots:
-        if root and (Path(root) / "include" / "cuda_bf16.h").exists():
-            return str(Path(root) / "include")
-    pytest.skip("no CUDA headers (cuda_bf16.h) for NVRTC")
-
-
 @pytest.mark.parametrize("names", [NVRTC_NAMES[i::3] for i in range(3)], ids=["a", "b", "c"])
 def test_nvrtc_compiles_every_instantiation(names):
     """Every template the launchers name compiles under NVRTC for sm_90 (the CuPy path), no local memory."""
-    nvrtc = _nvrtc()
-    from flashswitch.bindings import cupy as loader
-    prog = nvrtc.createProgram(loader.source("eva_attention.cu"), "eva_attention.cu", [], [])
-    try:
-        for name in names:
-            nvrtc.addNameExpression(prog, name)
-        opts = list(loader.compile_options()) + [f"-I{_cuda_include()}", "-arch=sm_90", "-ftz=true",
-                                                   "--device-as-default-execution-space"]
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except Exception:
-            pytest.fail("NVRTC failed:\n" + nvrtc.getProgramLog(prog))
-        for name in names:
-            assert "eva_attention_fwd" in nvrtc.getLoweredName(prog, name)
-        assert len(nvrtc.getCUBIN(prog)) > 1000
-    finally:
-        nvrtc.destroyProgram(prog)
+    lowered, cubin_bytes = nvrtc_compile("eva_attention.cu", names, "-ftz=true")
+    for name in names:
+        assert "eva_attention_fwd" in lowered[name]
+    assert cubin_bytes > 1000
 
 
 # ---------------------------------------------------------------- launch plan
@@ -95,18 +58,9 @@ def test_plan_shapes():
         eva_plan(257, 1, 16, 1, 1, 1)
 
 
-def _extension_op(name):
-    if torch.version.cuda is None or importlib.util.find_spec("flashswitch._C") is None:
-        pytest.skip("flashswitch._C is not built")
-    import flashswitch._C  # noqa: F401
-    if not hasattr(torch.ops.flashswitch_C, name):
-        pytest.skip(f"flashswitch._C was built without {name}")
-    return getattr(torch.ops.flashswitch_C, name)
-
-
 def test_plan_mirror_matches_c():
     """bindings/cupy.eva_plan is a line-for-line mirror of fs_eva_attention_plan_for."""
-    c_plan = _extension_op("eva_attention_plan")
+    c_plan = extension_op("eva_attention_plan")
     from flashswitch.bindings.cupy import eva_plan
     for D in (0, 1, 3, 16, 32, 33, 64, 76, 96, 100, 128, 129, 192, 200, 256):
         for dtype in (0, 1, 2):
@@ -117,7 +71,7 @@ def test_plan_mirror_matches_c():
 
 
 def test_extension_registers_the_op():
-    op = _extension_op("eva_attention_fwd")
+    op = extension_op("eva_attention_fwd")
     schema = str(op.default._schema)
     for arg in ("Tensor? bias", "Tensor(a!) o", "Tensor(b!) lse", "int chunk_size", "int window_size",
                 "bool sliding", "float scale", "int q_offset", "bool log_count"):
@@ -125,16 +79,6 @@ def test_extension_registers_the_op():
 
 
 # ---------------------------------------------------------------- GPU smoke tests
-def _loaders():
-    from flashswitch.bindings import cuda, cupy
-    return {name: mod for name, mod in (("cuda", cuda), ("cupy", cupy)) if mod.available()}
-
-
-def _need(loader):
-    if loader not in _loaders():
-        pytest.skip(f"backend {loader} is not available")
-
-
 def _misalign(t):
     """The same values in a view whose base and row strides are only 2-byte aligned (16-bit types)."""
     pad = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype, device=t.device)
@@ -172,7 +116,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_smoke_vs_reference(loader, dtype, case):
-    _need(loader)
+    need_loader(loader)
     (B, H, Hkv, Nq, Nk, D, C, W), window, bias, extra = CASES[case]
     p = random_problem(B, H, Hkv, Nq, Nk, D, C, W, window=window, summary_bias=bias, dtype=dtype, device=DEVICE,
                        seed=case, **extra)
@@ -186,7 +130,7 @@ def test_smoke_vs_reference(loader, dtype, case):
 @pytest.mark.parametrize("D", [64, 76, 75])
 def test_misaligned_layouts(loader, dtype, D):
     """Base addresses and row strides only 2-byte aligned: the 2-byte access path (and 4/8-byte ones)."""
-    _need(loader)
+    need_loader(loader)
     p = random_problem(1, 2, 1, None, 150, D, 4, 16, window="sliding", summary_bias="tensor", dtype=dtype,
                        device=DEVICE, seed=D)
     for name in ("q", "k", "v", "k_sum", "v_sum"):
@@ -198,7 +142,7 @@ def test_misaligned_layouts(loader, dtype, D):
 @pytest.mark.parametrize("loader", ["cuda", "cupy"])
 def test_switched_off_summaries(loader):
     """A -inf tensor bias removes summaries, whole key tiles of them included."""
-    _need(loader)
+    need_loader(loader)
     p = random_problem(1, 2, 1, None, 600, 64, 2, 8, summary_bias="tensor", dtype=torch.bfloat16, device=DEVICE)
     bias = p["summary_bias"].clone()
     bias[..., :100] = float("-inf")
@@ -211,7 +155,7 @@ def test_switched_off_summaries(loader):
 @pytest.mark.parametrize("loader", ["cuda", "cupy"])
 def test_offsets_past_int32(loader):
     """One kv head holding more than 2^31 elements: offsets must be computed in 64 bits."""
-    _need(loader)
+    need_loader(loader)
     D, C, W, Nc, Nq = 128, 16, 64, 8, 3
     Nk = (1 << 31) // D + 3 * W + 5
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -245,8 +189,8 @@ def test_offsets_past_int32(loader):
 @pytest.mark.parametrize("loader", ["cuda", "cupy"])
 def test_loaders_agree_bitwise(loader):
     """Both loaders run the same kernel source: identical outputs."""
-    _need(loader)
-    loaders = _loaders()
+    need_loader(loader)
+    loaders = available_loaders()
     if len(loaders) < 2:
         pytest.skip("needs both the cuda and the cupy backend")
     from flashswitch.ops import eva_attention as op

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import DEVICE, dtypes_here
+from conftest import DEVICE, dense_causal, dtypes_here
 from flashswitch.autotune import space
 from flashswitch.ops import eva_attention as op
 from flashswitch.ops.eva_attention import eva_attention
@@ -48,20 +48,6 @@ def _check(out, p, scale=None):
     assert o.device.type == DEVICE and lse.device.type == DEVICE
     assert_close("o", o, ref_o, dtype, baseline=base_o)
     assert_close("lse", lse, ref_l, F32, baseline=base_l)
-
-
-def _dense_causal(q, k, v, q_offset=None, scale=None):
-    """Exact causal softmax attention in fp64: (o, lse)."""
-    B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    off = Nk - Nq if q_offset is None else q_offset
-    k = k.to(F64).repeat_interleave(H // Hkv, 1)
-    v = v.to(F64).repeat_interleave(H // Hkv, 1)
-    s = D ** -0.5 if scale is None else scale
-    logits = s * q.to(F64) @ k.transpose(-1, -2)
-    t = torch.arange(Nq, device=q.device)[:, None] + off
-    logits = logits.masked_fill(torch.arange(Nk, device=q.device)[None, :] > t, float("-inf"))
-    return torch.softmax(logits, -1) @ v, torch.logsumexp(logits, -1)
 
 
 @st.composite
@@ -276,7 +262,7 @@ def test_property_1_exact_causal(backend, window, how):
     for Nq in (Nk, 7):
         p = random_problem(1, 4, 2, Nq, Nk, 16, C, W, window=window, device=DEVICE, seed=Nq)
         o, lse = _run(backend, p, config=SMALL)
-        ref_o, ref_l = _dense_causal(p["q"], p["k"], p["v"])
+        ref_o, ref_l = dense_causal(p["q"], p["k"], p["v"])
         assert_close("o", o, ref_o, F32)
         assert_close("lse", lse, ref_l, F32)
 
@@ -305,7 +291,7 @@ def test_property_5_equal_keys_and_log_count(backend, window):
     k_sum, v_sum = torch_chunk_summaries(k, p["v"], C)
     p.update(k=k, k_sum=k_sum, v_sum=v_sum)
     o, lse = _run(backend, p, config=SMALL)
-    ref_o, ref_l = _dense_causal(p["q"], k, p["v"])
+    ref_o, ref_l = dense_causal(p["q"], k, p["v"])
     assert_close("o", o, ref_o, F32)
     assert_close("lse", lse, ref_l, F32)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import DEVICE, dtypes_here
+from conftest import DEVICE, dense_causal, dtypes_here
 from flashswitch.reference.chunk_summaries import torch_chunk_summaries
 from flashswitch.reference.eva_attention import (numpy_eva_attention, random_problem, start_position,
                                                  torch_eva_attention, visible_masks, visible_pairs)
@@ -24,20 +24,6 @@ def shapes(draw, max_n=40):
     C = draw(st.sampled_from([1, 2, 3, 4]))
     W = C * draw(st.integers(1, 4))
     return draw(st.integers(1, 2)), H, Hkv, draw(st.integers(1, max_n)), draw(st.sampled_from([4, 8, 13])), C, W
-
-
-def dense_causal(q, k, v, q_offset=None, scale=None):
-    """Exact causal softmax attention in fp64 (query i at position q_offset + i sees keys j <= it)."""
-    B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    off = Nk - Nq if q_offset is None else q_offset
-    k = k.to(F64).repeat_interleave(H // Hkv, 1)
-    v = v.to(F64).repeat_interleave(H // Hkv, 1)
-    s = D ** -0.5 if scale is None else scale
-    logits = s * q.to(F64) @ k.transpose(-1, -2)
-    t = torch.arange(Nq, device=q.device)[:, None] + off
-    logits = logits.masked_fill(torch.arange(Nk, device=q.device)[None, :] > t, float("-inf"))
-    return torch.softmax(logits, -1) @ v, torch.logsumexp(logits, -1)
 
 
 def _compare(p, dtype, scale=None):

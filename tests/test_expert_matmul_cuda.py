@@ -7,30 +7,18 @@ run time (16-byte vectors, scalar loads for misaligned or odd rows, weight read 
 shapes, output modes and agreement of the two loaders. Correctness over many shapes and routings is
 in test_expert_matmul_kernels.py (via the `backend` fixture).
 """
-import importlib.util
 import itertools
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import DEVICE
+from cuda_helpers import extension_op, nvrtc_compile
 from flashswitch.ops import expert_matmul as op
 from flashswitch.ops.expert_matmul import expert_matmul, route
 from flashswitch.reference.expert_matmul import numpy_expert_matmul, random_problem, torch_expert_matmul
 from flashswitch.testing import assert_close
-
-
-def _need_extension():
-    if torch.version.cuda is None:
-        pytest.skip(f"torch {torch.__version__} is a CPU build")
-    if importlib.util.find_spec("flashswitch._C") is None:
-        pytest.skip("flashswitch._C is not built")
-    import flashswitch._C  # noqa: F401
-    if not hasattr(torch.ops.flashswitch_C, "expert_matmul_plan"):
-        pytest.skip("flashswitch._C was built without op 3")
 
 
 # ---------------------------------------------------------------- launch plan
@@ -77,15 +65,14 @@ def test_plan_defaults():
 
 def test_plan_mirror_matches_c():
     """bindings/cupy.expert_matmul_plan is a line-for-line mirror of fs_expert_matmul_plan_for."""
-    _need_extension()
+    c_plan = extension_op("expert_matmul_plan")
     from flashswitch.bindings.cupy import expert_matmul_plan
     for case in list(_plan_cases())[::13]:
-        assert list(expert_matmul_plan(*case)) == list(torch.ops.flashswitch_C.expert_matmul_plan(*case)), case
+        assert list(expert_matmul_plan(*case)) == list(c_plan(*case)), case
 
 
 def test_extension_registers_op():
-    _need_extension()
-    schema = str(torch.ops.flashswitch_C.expert_matmul_fwd.default._schema)
+    schema = str(extension_op("expert_matmul_fwd").default._schema)
     for arg in ("Tensor? gates", "Tensor offsets", "Tensor(a!) y", "int S", "int G_out", "bool deterministic",
                 "int block_m", "int block_n", "int group_n"):
         assert arg in schema, schema
@@ -98,40 +85,11 @@ NVRTC_NAMES = ["flashswitch::expert_matmul_fwd_kernel<2,2,64,64>",    # bf16
                "flashswitch::expert_matmul_finish_kernel<2>"]
 
 
-def _cuda_include():
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    try:
-        import nvidia
-        roots += [str(Path(p) / f"cu{(torch.version.cuda or '0').split('.')[0]}") for p in nvidia.__path__]
-    except ImportError:
-        pass
-    for root in roots:
-        if root and (Path(root) / "include" / "cuda_bf16.h").exists():
-            return str(Path(root) / "include")
-    pytest.skip("no CUDA headers (cuda_bf16.h) for NVRTC")
-
-
 def test_nvrtc_compiles_expert_matmul():
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-    except Exception as err:
-        pytest.skip(f"cupy's NVRTC binding is not importable ({type(err).__name__})")
-    from flashswitch.bindings import cupy as loader
-    include = _cuda_include()
-    prog = nvrtc.createProgram(loader.source("expert_matmul.cu"), "expert_matmul.cu", [], [])
-    try:
-        for name in NVRTC_NAMES:
-            nvrtc.addNameExpression(prog, name)
-        opts = list(loader.compile_options()) + [f"-I{include}", "-arch=sm_90", "--device-as-default-execution-space"]
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except Exception:
-            pytest.fail("NVRTC failed:\n" + nvrtc.getProgramLog(prog))
-        for name in NVRTC_NAMES:
-            assert nvrtc.getLoweredName(prog, name).startswith("_ZN11flashswitch")
-        assert len(nvrtc.getCUBIN(prog)) > 1000
-    finally:
-        nvrtc.destroyProgram(prog)
+    lowered, cubin_bytes = nvrtc_compile("expert_matmul.cu", NVRTC_NAMES)
+    for name in NVRTC_NAMES:
+        assert lowered[name].startswith("_ZN11flashswitch")
+    assert cubin_bytes > 1000
 
 
 # ---------------------------------------------------------------- GPU smoke tests

@@ -8,19 +8,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-
-def _np(t):
-    return None if t is None else (t.detach().cpu().double().numpy() if t.dtype != torch.bool
-                                   else t.detach().cpu().numpy())
+from flashswitch.testing import to_numpy64
 
 
 def numpy_chunk_summaries(k, v, chunk_size, *, omega=None, key_weight=None, valid=None, scale=None,
                           return_lse=False):
     """fp64 oracle. Accepts torch tensors or arrays; returns numpy float64 arrays."""
-    k, v = (np.asarray(_np(x) if isinstance(x, torch.Tensor) else x, dtype=np.float64) for x in (k, v))
-    omega = _np(omega) if isinstance(omega, torch.Tensor) else omega
-    key_weight = _np(key_weight) if isinstance(key_weight, torch.Tensor) else key_weight
-    valid = _np(valid) if isinstance(valid, torch.Tensor) else valid
+    k, v, omega, key_weight, valid = (to_numpy64(x) for x in (k, v, omega, key_weight, valid))
     B, H, N, D = k.shape
     C = chunk_size
     Nc = -(-N // C)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from flashswitch.reference.chunk_summaries import torch_chunk_summaries
+from flashswitch.testing import to_numpy64
 
 WINDOWS = ("block", "sliding")
 
@@ -82,20 +83,12 @@ def chunk_counts(Nk: int, Nc: int, chunk_size: int):
 
 
 # ---------------------------------------------------------------- fp64 oracle
-def _np64(x):
-    if x is None:
-        return None
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().to(torch.float64).numpy()
-    return np.asarray(x, dtype=np.float64)
-
-
 def numpy_eva_attention(q, k, v, k_sum, v_sum, *, chunk_size, window_size, window="block", scale=None,
                         summary_bias=None, q_offset=None, return_lse=False):
     """fp64 oracle written for clarity. Accepts torch tensors or arrays; returns numpy float64
     `o` [B, H, Nq, Dv] (and `lse` [B, H, Nq] when asked)."""
     _check_window(chunk_size, window_size, window)
-    q, k, v, k_sum, v_sum = (_np64(x) for x in (q, k, v, k_sum, v_sum))
+    q, k, v, k_sum, v_sum = (to_numpy64(x) for x in (q, k, v, k_sum, v_sum))
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc, Dv = k.shape[1], k.shape[2], k_sum.shape[2], v.shape[3]
     if Hkv == 0 or H % Hkv:
@@ -113,7 +106,7 @@ def numpy_eva_attention(q, k, v, k_sum, v_sum, *, chunk_size, window_size, windo
         with np.errstate(divide="ignore"):
             bias = np.broadcast_to(np.log(counts.astype(np.float64)), (B, Hkv, Nc))
     else:
-        bias = _np64(summary_bias)
+        bias = to_numpy64(summary_bias)
     o = np.zeros((B, H, Nq, Dv))
     lse = np.full((B, H, Nq), -np.inf)
     for b in range(B):

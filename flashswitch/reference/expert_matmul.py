@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flashswitch.testing import to_numpy64
+
 ROUTINGS = ("random", "one_hot", "duplicates", "sparse")
 
 
@@ -32,18 +34,10 @@ def _check_ids(expert_idx, E: int) -> None:
 
 
 # ---------------------------------------------------------------- fp64 oracle
-def _np64(x):
-    if x is None:
-        return None
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().to(torch.float64).numpy()
-    return np.asarray(x, dtype=np.float64)
-
-
 def numpy_expert_matmul(x, expert_idx, weight, *, gates=None, out_groups=None):
     """fp64 oracle. x [T, d_in] or [T, G_in, d_in]; expert_idx [T, S]; weight [E, d_in, d_out];
     returns numpy float64 y [T, G_out, d_out]."""
-    x, weight, gates = _np64(x), _np64(weight), _np64(gates)
+    x, weight, gates = to_numpy64(x), to_numpy64(weight), to_numpy64(gates)
     idx = expert_idx.detach().cpu().numpy() if isinstance(expert_idx, torch.Tensor) else np.asarray(expert_idx)
     idx = idx.astype(np.int64)
     T, S = idx.shape
