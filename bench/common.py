@@ -133,6 +133,24 @@ def rotating_ms(fns, reps: int = 200) -> float:
     return times[len(times) // 2]
 
 
+def graph_ms(fns) -> float | None:
+    """Kernel-only time: median of CUDA-graph replays (`triton.testing.do_bench_cudagraph`) of a call
+    that cycles through `fns`, so neither the host's per-call work nor an L2 flush is in it. None
+    when the call cannot be captured."""
+    from triton.testing import do_bench_cudagraph
+    turn = [0]
+
+    def cycle():
+        fns[turn[0] % len(fns)]()
+        turn[0] += 1
+
+    try:
+        return float(do_bench_cudagraph(cycle, rep=50, return_mode="median"))
+    except Exception:  # a backend that cannot be captured: report no number rather than fail the case
+        torch.cuda.synchronize()
+        return None
+
+
 def rotation_sets(nbytes: int) -> int:
     """How many input sets make a cold rotation: at least 4x the L2, at most 8 sets or 8 GB."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if gpu() else 0
@@ -149,8 +167,10 @@ def time_case(benchmark, fn, *, spec: registry.OpSpec, problem: dict, backend: s
     rot = {}
     if rotate:
         rms = rotating_ms([fn] + list(rotate))
-        rot = {"ms_rotating": rms, "rotating_sets": 1 + len(rotate),
-               **{f"{k} rotating": v for k, v in spec.throughput(problem, rms).items()}}
+        gms = graph_ms([fn] + list(rotate))
+        rot = {"ms_rotating": rms, "rotating_sets": 1 + len(rotate), "ms_graph": gms,
+               **{f"{k} rotating": v for k, v in spec.throughput(problem, rms).items()},
+               **{f"{k} graph": v for k, v in (spec.throughput(problem, gms) if gms else {}).items()}}
 
     def synced():
         fn()

@@ -120,7 +120,7 @@ def markdown(rows: list[dict], meta: dict, ceilings: dict, op: str) -> str:
         head.append(f"% of roof ({st['roof']})")
     rotating = any(r.get("ms_rotating") for r in rows)
     if rotating:
-        head += ["rotating ms"] + [f"{u} rotating" for u in units]
+        head += ["rotating ms"] + [f"{u} rotating" for u in units] + ["graph ms"] + [f"{u} graph" for u in units]
     ceil_src = ceilings["source"]
     lines = [
         f"# {op} on {meta.get('device')}",
@@ -158,11 +158,15 @@ def markdown(rows: list[dict], meta: dict, ceilings: dict, op: str) -> str:
             rms = r.get("ms_rotating")
             cells.append("-" if not rms else f"{rms:.4f}")
             cells += ["-" if r.get(f"{u} rotating") is None else f"{r[f'{u} rotating']:.1f}" for u in units]
+            gms = r.get("ms_graph")
+            cells.append("-" if not gms else f"{gms:.4f}")
+            cells += ["-" if r.get(f"{u} graph") is None else f"{r[f'{u} graph']:.1f}" for u in units]
         lines.append("| " + " | ".join(cells) + " |")
     if rotating:
         lines += ["", "rotating: median CUDA-event time per call cycling through distinct input sets (together "
                   ">= 4x the L2) with no flush; do_bench's flush zeroes 256 MB before each call and leaves up to "
-                  "one L2 of dirty lines that the timed call must write back."]
+                  "one L2 of dirty lines that the timed call must write back. graph: median of CUDA-graph replays of "
+                  "the same rotation (triton.testing.do_bench_cudagraph): kernel time without per-call host work."]
     notes = sorted({f"{r['backend']}: {r['unsupported']}" for r in rows if r.get("unsupported")})
     if notes:
         lines += ["", "Unsupported:"] + [f"- {n}" for n in notes]
