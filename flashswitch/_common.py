@@ -94,7 +94,7 @@ def resolve_backend(op: str, backend: str, device: torch.device, bucket: Optiona
     return _resolve_backend(op, backend, str(device), items)
 
 
-@torch._dynamo.assume_constant_result  # imports and file reads: torch.compile takes the answer as a constant
+@torch.compiler.assume_constant_result  # imports and file reads: torch.compile takes the answer as a constant
 def _resolve_backend(op: str, backend: str, device: str, bucket: Optional[tuple]) -> str:
     device = torch.device(device)
     bucket = None if bucket is None else dict(bucket)
