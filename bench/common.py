@@ -235,10 +235,11 @@ def bench_op(benchmark, op: str, shape: dict, backend: str, dtype: str = "bf16",
                            label=label)
         pytest.skip(f"{backend} unsupported: {err}")
     rotate = None
-    if spec.bench_rotate and backend not in (builders or {}) and backend != "compiled":
+    if spec.bench_rotate and backend != "compiled":  # (compiled: one compile per problem is too slow)
+        build = builders[backend] if builders and backend in builders else (
+            lambda prob: make_callable(spec, backend, prob))
         n = rotation_sets(spec.cost(problem).get("bytes") or 0)
-        rotate = [make_callable(spec, backend, spec.random_problem(**shape, dtype=dtype, device="cuda", seed=seed + i))
-                  for i in range(1, n)]
+        rotate = [build(spec.random_problem(**shape, dtype=dtype, device="cuda", seed=seed + i)) for i in range(1, n)]
     return time_case(benchmark, fn, spec=spec, problem=problem, backend=backend, shape=shape, dtype=dtype,
                      label=label, rotate=rotate)
 
