@@ -19,7 +19,7 @@ Backends, all timed in this run on the same inputs:
 """
 import pytest
 
-from baselines import FlexEva, cat_sdpa_decode, sdpa_causal
+from baselines import FlexEva, Unsupported, cat_sdpa_decode, sdpa_causal
 from common import bench_op, shape_id, unique
 
 OP = "eva_attention"
@@ -61,17 +61,28 @@ def _flex_for(problem) -> FlexEva:
     return _FLEX["flex"]
 
 
+def _compiled_or_unsupported(fn):
+    """Run `fn` once (it compiles there); a shape FlexAttention cannot compile becomes an "unsupported"
+    row with the compiler's message (e.g. torch 2.11's Inductor rejects the one-query decode shape)."""
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - any compile failure is reported, not hidden
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+        raise Unsupported(f"FlexAttention did not compile: {type(err).__name__}: {lines[-1] if lines else ''}"[:300])
+    return fn
+
+
 def _flex(problem):
     flex = _flex_for(problem)
     args = [problem[n] for n in ("q", "k", "v", "k_sum", "v_sum")]
-    return lambda: flex(*args)
+    return _compiled_or_unsupported(lambda: flex(*args))
 
 
 def _flex_nocat(problem):
     flex = _flex_for(problem)
     q = problem["q"]
     keys, values = FlexEva.concat(problem["k"], problem["v"], problem["k_sum"], problem["v_sum"])
-    return lambda: flex.attend(q, keys, values)
+    return _compiled_or_unsupported(lambda: flex.attend(q, keys, values))
 
 
 def _sdpa(problem):

@@ -5,6 +5,8 @@
 # everything is packed into $OUT/results.tgz (default OUT: ./gpu_out).
 #   STAGES=build,test,check,ceilings,autotune,bench OPS=chunk_summaries TESTS='tests/test_x.py ...' \
 #   TUNE_BUDGET=240 STAGE_LIMIT=1200 bench/run_gpu.sh   (STAGE_LIMIT: seconds per stage)
+# Optional stage host (bench/host_time.py: host us per call vs kernel us; HOST_ARGS=--profile); BENCH_K
+# selects bench cases (pytest -k, e.g. BENCH_K='not cupy').
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"; LOGS="$OUT/logs"; mkdir -p "$LOGS"
@@ -21,7 +23,9 @@ run() {  # run NAME CMD...: log to $LOGS/NAME.log, print its last lines, remembe
   echo "== $name: rc=$rc in $((SECONDS - t0)) s"
   tail -n "${TAIL:-4}" "$LOGS/$name.log"
   [ $rc -eq 0 ] || status=1
+  pack  # after every stage, so a run cut short still returns what it finished
 }
+pack() { tar czf "$OUT/results.tgz" bench/results flashswitch/autotune/configs -C "$OUT" logs 2>/dev/null; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOGS/nvidia-smi.log"
 stage build && run build $PY -m pip install --no-build-isolation --no-deps -v -e .
 $PY -m flashswitch info > "$LOGS/info.log" 2>&1
@@ -32,10 +36,10 @@ if stage test; then
 fi
 stage check && run check $PY -m flashswitch check
 stage ceilings && run ceilings $PY bench/ceilings.py
+stage host && run host_time $PY bench/host_time.py --ops ${OPS//,/ } ${HOST_ARGS:-}
 stage autotune && run autotune $PY -m flashswitch autotune --ops ${OPS//,/ } --budget "${TUNE_BUDGET:-240}" --resume ${TUNE_ARGS:-}
 if stage bench; then
-  for op in ${OPS//,/ }; do run "bench_$op" $PY -m flashswitch bench --ops "$op"; done
+  for op in ${OPS//,/ }; do run "bench_$op" $PY -m flashswitch bench --ops "$op" -- ${BENCH_K:+-k "$BENCH_K"}; done
 fi
-tar czf "$OUT/results.tgz" bench/results flashswitch/autotune/configs -C "$OUT" logs 2>/dev/null
-rm -rf "$LOGS"
+pack && rm -rf "$LOGS"
 exit $status

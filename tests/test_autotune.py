@@ -19,6 +19,7 @@ def cfg_dir(tmp_path, monkeypatch):
     """An empty config folder for a fake device, through FLASHSWITCH_CONFIG_DIR."""
     monkeypatch.setenv("FLASHSWITCH_CONFIG_DIR", str(tmp_path))
     monkeypatch.setattr(store, "device_name", lambda: DEV)
+    monkeypatch.setattr(store, "_file_memo", {})
     return tmp_path
 
 
@@ -216,6 +217,7 @@ def test_tune_end_to_end_on_a_fake_op(tmp_path, monkeypatch):
     # the store reads what the tuner wrote
     monkeypatch.setenv("FLASHSWITCH_CONFIG_DIR", str(tmp_path))
     monkeypatch.setattr(store, "device_name", lambda: "cpu")
+    monkeypatch.setattr(store, "_file_memo", {})
     feats = next(iter(table.values()))["features"]
     assert store.lookup(FAKE, "triton", feats) == {"b": 3}
 

@@ -119,6 +119,7 @@ def save(data: dict, path: Path) -> None:
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
         os.replace(tmp, path)
         _stat_cache.pop(str(path), None)  # this process sees its own write at once
+        _file_memo.clear()
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -143,8 +144,25 @@ def _distance(a: dict, b: dict) -> float:
 _entry_memo: dict = {}  # (file, mtime, op, bucket, backend) -> entry: one search per bucket per process
 
 
+_file_memo: dict = {}  # (config dir env, device index) -> (monotonic time, path)
+
+
+def _current_file() -> Optional[Path]:
+    """device_file(), re-derived at most once a second per config folder and device: it sits on
+    every kernel call, and the device-name query and path building cost more than the kernel
+    launch on a slow host."""
+    import torch
+    key = (os.environ.get("FLASHSWITCH_CONFIG_DIR"),
+           torch.cuda.current_device() if torch.cuda.is_initialized() else -1)
+    now = time.monotonic()
+    hit = _file_memo.get(key)
+    if hit is None or now - hit[0] >= _STAT_INTERVAL_S:
+        hit = _file_memo[key] = (now, device_file())
+    return hit[1]
+
+
 def _entry(op: str, feats: dict, backend: Optional[str] = None) -> Optional[dict]:
-    path = device_file()
+    path = _current_file()
     mtime = None if path is None else _mtime(str(path))
     key = (str(path), mtime, op, bucket_key(feats), backend)
     if key not in _entry_memo:
