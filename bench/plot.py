@@ -221,12 +221,20 @@ def plot(rows: list[dict], meta: dict, ceilings: dict, op: str, out: Path) -> bo
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 4.5), dpi=120)
     by_backend: dict = {}
+    by_backend_graph: dict = {}  # kernel-only throughput (CUDA-graph replay), where the bench recorded it
     for r in fam:
         if r.get(unit) is not None:
             by_backend.setdefault(r["backend"], []).append((r["shape"][x], r[unit]))
+        if r.get(f"{unit} graph") is not None:
+            by_backend_graph.setdefault(r["backend"], []).append((r["shape"][x], r[f"{unit} graph"]))
     for b in sorted(by_backend, key=lambda b: BACKEND_ORDER.get(b, 99)):
         pts = sorted(by_backend[b])
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b)
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{b} (per call)"
+                        if by_backend_graph else b)
+        if b in by_backend_graph:
+            pts = sorted(by_backend_graph[b])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="x", linestyle="--", color=line.get_color(),
+                    label=f"{b} (kernel: graph replay)")
     ceil = _ceiling(unit, ceilings)
     if ceil:
         ax.axhline(ceil, color="gray", linestyle="--", linewidth=1,
