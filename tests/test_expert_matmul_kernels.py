@@ -28,6 +28,7 @@ CONFIGS = {
     "default": None,
     "interleaved": {**_SMALL, "GROUP_N": 1, "INTERLEAVE": True},
     "expert-major": {**_SMALL, "GROUP_N": 2, "INTERLEAVE": False},
+    "ordered-sum": {**_SMALL, "GROUP_N": 2, "INTERLEAVE": False, "REDUCE": "ordered"},
 }
 
 

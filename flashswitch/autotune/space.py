@@ -225,6 +225,15 @@ def _em_triton_space(f: dict) -> list[dict]:
             for g, i in sorted(schedules):
                 out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": g, "INTERLEAVE": i,
                             "num_warps": w, "num_stages": s})
+    if ff["atomic"]:
+        # slot reduction: fp32 atomics, or per-pair rows + an ordered sum (no contention, more traffic).
+        # GROUP_N only matters for the atomics' accumulator in L2: ordered takes all column tiles.
+        ordered = []
+        for c in out:
+            o = {**c, "GROUP_N": -(-f["d_out"] // c["BLOCK_N"]), "REDUCE": "ordered"}
+            if o not in ordered:
+                ordered.append(o)
+        out += ordered
     return out
 
 

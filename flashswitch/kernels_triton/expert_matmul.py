@@ -17,10 +17,12 @@ accumulation (ieee for fp32 inputs), scale each row by its gate, then
 - G_out < S, deterministic: store each pair's fp32 row into a scratch [T, S, d_out], then a second
   kernel sums each group's slots in slot order.
 
-The atomic path is the default: the deterministic path writes and reads back S·d_out fp32 values per
-token in memory (S / G_out times the accumulator, for SwitchHead O and σ-MoE down 8x: ~1 GB per
-16k-token step), while the atomics land in an accumulator S / G_out times smaller that the tile
-schedule below keeps mostly in L2.
+Without `deterministic`, config `REDUCE` picks between the two for G_out < S: "atomic" (default) or
+"ordered" (the deterministic path). The ordered path writes and reads back S·d_out fp32 values per
+token (S / G_out times the accumulator: for SwitchHead O and σ-MoE down 8x, ~1 GB per 16k-token
+step), while the atomics land in an accumulator S / G_out times smaller that the tile schedule
+below keeps mostly in L2, but contend when S / G_out pairs of one row are added at once; which is
+faster depends on the shape, so the tuner tries both.
 
 Tile schedule (config knobs):
 - `GROUP_N`: programs are ordered (group of GROUP_N column tiles, row tile, column tile in group).
@@ -188,6 +190,7 @@ def _group_sum(src_ptr, y_ptr, R, d_out, spg, BLOCK_R: tl.constexpr, BLOCK_N: tl
 
 
 _KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_N", "INTERLEAVE", "num_warps", "num_stages")
+REDUCE_MODES = ("atomic", "ordered")
 
 
 def _pow2(name: str, v, lo: int = 16) -> int:
@@ -226,7 +229,7 @@ def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
     x3: [T, G_in, d_in] with a unit last stride. weight: [E, d_in, d_out], any strides, x's dtype or
     fp32. gates: None or [T, S] (any float dtype, any strides). route: a `Route` (token, slot int32
     [P]; offsets int64 [E+1]). config: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, INTERLEAVE, num_warps,
-    num_stages (missing keys take the heuristic default).
+    num_stages (missing keys take the heuristic default), optional REDUCE ("atomic" or "ordered").
     """
     T, _, d_in = x3.shape
     E, _, d_out = weight.shape
@@ -250,10 +253,13 @@ def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
     grid_m = triton.cdiv(P, BM) + min(E, P)
     n_iter = triton.cdiv(P, BM).bit_length() + 1
 
+    reduce = cfg.get("REDUCE", "atomic")
+    if reduce not in REDUCE_MODES:
+        raise ValueError(f"config REDUCE must be one of {REDUCE_MODES}, got {reduce!r}")
     scratch = None
     if G_out == S:  # one pair per output row: store straight into y
         target, atomic, spg_out = y, False, 1
-    elif deterministic:  # per-pair fp32 rows, summed in slot order by a second kernel
+    elif deterministic or reduce == "ordered":  # per-pair fp32 rows, summed in slot order by a second kernel
         scratch = torch.empty((T, S, d_out), dtype=torch.float32, device=y.device)
         target, atomic, spg_out = scratch, False, 1
     else:
