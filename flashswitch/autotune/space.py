@@ -227,10 +227,12 @@ def _em_triton_space(f: dict) -> list[dict]:
                             "num_warps": w, "num_stages": s})
     if ff["atomic"]:
         # slot reduction: fp32 atomics, or per-pair rows + an ordered sum (no contention, more traffic).
-        # GROUP_N only matters for the atomics' accumulator in L2: ordered takes all column tiles.
+        # The schedule knobs matter most for the atomics' accumulator in L2: ordered takes all column
+        # tiles per sweep and the heuristic row-tile order.
         ordered = []
         for c in out:
-            o = {**c, "GROUP_N": -(-f["d_out"] // c["BLOCK_N"]), "REDUCE": "ordered"}
+            o = {**c, "GROUP_N": -(-f["d_out"] // c["BLOCK_N"]), "INTERLEAVE": _em_interleave(f, c["BLOCK_M"]),
+                 "REDUCE": "ordered"}
             if o not in ordered:
                 ordered.append(o)
         out += ordered
