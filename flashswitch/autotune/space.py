@@ -227,15 +227,14 @@ def _em_triton_space(f: dict) -> list[dict]:
                             "num_warps": w, "num_stages": s})
     if ff["atomic"]:
         # slot reduction: fp32 atomics, or per-pair rows + an ordered sum (no contention, more traffic).
-        # The schedule knobs matter most for the atomics' accumulator in L2: ordered takes all column
-        # tiles per sweep and the heuristic row-tile order.
-        ordered = []
+        # The schedule knobs matter most for the atomics' accumulator in L2: ordered takes one config
+        # per tile shape, with all column tiles per sweep and the heuristic row-tile order.
+        ordered = {}
         for c in out:
-            o = {**c, "GROUP_N": -(-f["d_out"] // c["BLOCK_N"]), "INTERLEAVE": _em_interleave(f, c["BLOCK_M"]),
-                 "REDUCE": "ordered"}
-            if o not in ordered:
-                ordered.append(o)
-        out += ordered
+            ordered.setdefault((c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]), {
+                **c, "GROUP_N": -(-f["d_out"] // c["BLOCK_N"]), "INTERLEAVE": _em_interleave(f, c["BLOCK_M"]),
+                "REDUCE": "ordered"})
+        out += list(ordered.values())
     return out
 
 
