@@ -225,7 +225,7 @@ def _em_triton_space(f: dict) -> list[dict]:
             for g, i in sorted(schedules):
                 out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": g, "INTERLEAVE": i,
                             "num_warps": w, "num_stages": s})
-    if ff["atomic"]:
+    if ff["atomic"] and not fp32:
         # slot reduction: fp32 atomics, or per-pair rows + an ordered sum (no contention, more traffic).
         # The schedule knobs matter most for the atomics' accumulator in L2: ordered takes one config
         # per tile shape, with all column tiles per sweep and the heuristic row-tile order.
