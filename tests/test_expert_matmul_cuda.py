@@ -241,3 +241,68 @@ def test_public_api(loader):
     y = expert_matmul(p["x"], rt, p["weight"], gates=p["gates"], out_groups=2, backend=loader)
     _check(y, p)
     assert np.isfinite(y.float().cpu().numpy()).all()
+
+
+# ---------------------------------------------------------------- device routing (kernels_cuda/route.cu)
+def _route_op():
+    if not _loader_available("cuda") or not hasattr(torch.ops.flashswitch_C, "route_fwd"):
+        pytest.skip("needs the cuda backend with route_fwd")
+    return torch.ops.flashswitch_C.route_fwd
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,S,E,lo,hi,dtype", [
+    (0, 2, 3, 0, 3, torch.int32), (1, 1, 1, 0, 1, torch.int64), (37, 4, 6, 0, 6, torch.int32),
+    (300, 8, 16, 0, 16, torch.int64), (16384, 8, 512, 0, 512, torch.int32), (4096, 2, 70000, 0, 70000, torch.int64),
+    (500, 3, 5, -3, 9, torch.int32), (500, 3, 5, -(2 ** 40), 2 ** 40, torch.int64),   # out of range: dropped
+    (2000, 4, 8, 2, 3, torch.int64),                                                   # one hot expert, others empty
+])
+def test_device_route_matches_torch_route(T, S, E, lo, hi, dtype):
+    """route_fwd (one C++ call: keys, cub radix sort, finish) gives exactly the torch route: the same
+    stable order, offsets, and out-of-range ids outside every expert's range."""
+    fwd = _route_op()
+    g = torch.Generator(device="cuda").manual_seed(T + S + E)
+    idx = torch.randint(lo, hi, (T, S), generator=g, device="cuda", dtype=torch.int64).to(dtype)
+    token, slot, offsets = fwd(idx, E)
+    t_ref, s_ref, o_ref = op._torch_route(idx, E, clamp=True)
+    assert token.dtype == slot.dtype == torch.int32 and offsets.dtype == torch.int64
+    assert torch.equal(offsets, o_ref)
+    assert torch.equal(token, t_ref) and torch.equal(slot, s_ref)
+    # and the route is what SPEC says: expert e's pairs, in (t, s) order
+    ids = idx.cpu().numpy().reshape(-1)
+    off = offsets.cpu().numpy()
+    pairs = token.cpu().numpy().astype(np.int64) * S + slot.cpu().numpy()
+    for e in range(min(E, 64)):
+        want = np.flatnonzero(ids == e)
+        np.testing.assert_array_equal(pairs[off[e]:off[e + 1]], want)
+
+
+@pytest.mark.gpu
+def test_device_route_strided_input_and_errors():
+    fwd = _route_op()
+    idx = torch.randint(0, 5, (64, 6), device="cuda", dtype=torch.int32)
+    view = idx[:, ::2]  # not contiguous
+    assert all(torch.equal(a, b) for a, b in zip(fwd(view, 5), op._torch_route(view.contiguous(), 5)))
+    with pytest.raises(RuntimeError, match="expert_idx has dtype"):
+        fwd(idx.float(), 5)
+    with pytest.raises(RuntimeError, match="must be a CUDA tensor|'CPU' backend"):
+        fwd(idx.cpu(), 5)
+    with pytest.raises(RuntimeError, match="num_experts"):
+        fwd(idx, 0)
+    with pytest.raises(RuntimeError, match=r"\[T, S\]"):
+        fwd(idx.reshape(-1), 5)
+
+
+@pytest.mark.gpu
+def test_route_uses_the_device_op_without_sync():
+    _route_op()
+    idx = torch.randint(0, 16, (1024, 8), device="cuda", dtype=torch.int64)
+    route(idx, 16, check=False)  # load outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rt = route(idx, 16, check=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    t_ref, s_ref, o_ref = op._torch_route(idx, 16)
+    assert torch.equal(rt.token, t_ref) and torch.equal(rt.slot, s_ref) and torch.equal(rt.offsets, o_ref)

@@ -105,18 +105,37 @@ def route(expert_idx: torch.Tensor, num_experts: int, *, check: bool = True) -> 
         if lo < 0 or hi >= E:
             raise ValueError(f"expert_idx values {lo}..{hi} out of range [0, num_experts) = [0, {E})")
 
+    if dev.type == "cuda" and _device_route_available() and not torch.compiler.is_compiling():
+        token, slot, offsets = torch.ops.flashswitch_C.route_fwd(expert_idx, E)  # one call, no sync
+    else:
+        token, slot, offsets = _torch_route(expert_idx, E, clamp=not check)
+    return Route(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_route_available() -> bool:
+    """Whether the extension has the device routing op (kernels_cuda/route.cu): one C++ call instead of
+    ~8 torch launches, which is most of route()'s cost on a slow host."""
+    from flashswitch.bindings import cuda as B
+    return B.available() and hasattr(torch.ops.flashswitch_C, "route_fwd")
+
+
+def _torch_route(expert_idx: torch.Tensor, E: int, *, clamp: bool = True):
+    """(token, slot, offsets) with torch ops: the same order as route_fwd (a stable sort of the ids
+    clamped to [-1, E]). `clamp=False` when the ids are known to lie in [0, E)."""
+    S = expert_idx.shape[1]
     key_dtype = _sort_key_dtype(E)
     flat = expert_idx.reshape(-1)
-    if not check:
+    if clamp:
         flat = flat.clamp(-1, E)  # out-of-range ids stay outside [0, E) once narrowed: dropped, never wrapped in
     keys = flat.to(key_dtype)
     sorted_keys, order = torch.sort(keys, stable=True)
-    bounds = torch.arange(E + 1, dtype=key_dtype, device=dev)
+    bounds = torch.arange(E + 1, dtype=key_dtype, device=expert_idx.device)
     offsets = torch.searchsorted(sorted_keys, bounds)  # int64 [E+1], offsets[e] = #pairs with id < e
     pair = order.to(torch.int32)
     token = torch.div(pair, S, rounding_mode="floor")
     slot = pair % S
-    return Route(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E)
+    return token, slot, offsets
 
 
 # ---------------------------------------------------------------- expert matmul
