@@ -235,7 +235,8 @@ def bench_op(benchmark, op: str, shape: dict, backend: str, dtype: str = "bf16",
                            label=label)
         pytest.skip(f"{backend} unsupported: {err}")
     rotate = None
-    if spec.bench_rotate and backend != "compiled":  # (compiled: one compile per problem is too slow)
+    wants_rotate = spec.bench_rotate(shape) if callable(spec.bench_rotate) else spec.bench_rotate
+    if wants_rotate and backend != "compiled":  # (compiled: one compile per problem is too slow)
         build = builders[backend] if builders and backend in builders else (
             lambda prob: make_callable(spec, backend, prob))
         n = rotation_sets(spec.cost(problem).get("bytes") or 0)

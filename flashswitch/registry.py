@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -67,7 +67,9 @@ class OpSpec:
     bench_compare: tuple = ("reference",)
     bench_roof: Optional[str] = None
     bench_plot: dict = field(default_factory=lambda: {"kind": "throughput"})
-    bench_rotate: bool = False  # memory-bound: also time over rotating input sets (bench/common.py)
+    # also time over rotating input sets and by CUDA-graph replay (bench/common.py): True, False, or a
+    # predicate of the bench shape (memory-bound or host-bound cases)
+    bench_rotate: Union[bool, Callable[[dict], bool]] = False
     torch_reference: Optional[Callable] = None
 
     # ------------------------------------------------------------ modules
@@ -287,6 +289,8 @@ EVA_ATTENTION = OpSpec(
     bench_x="Nk",
     bench_compare=("flex", "sdpa_causal"),
     bench_plot={"kind": "speedup", "over": "sdpa_causal"},
+    # decode is memory-bound and shorter than the host's work per call: time the kernel apart
+    bench_rotate=lambda shape: shape.get("Nq", shape.get("Nk", 0)) <= 16,
 )
 
 
