@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import DEVICE, dtypes_here
+from flashswitch._common import backend_available
 from flashswitch.ops import expert_matmul as op
 from flashswitch.ops.expert_matmul import Route, expert_matmul, route
 from flashswitch.reference.expert_matmul import ROUTINGS, numpy_expert_matmul, random_problem, torch_expert_matmul
@@ -435,3 +436,14 @@ def test_deterministic_is_bitwise_reproducible(backend, G_out):
                           backend=backend) for _ in range(3)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
     _check(runs[0], p)
+
+
+@pytest.mark.parametrize("bad,match", [({"REDUCE": "sum"}, "REDUCE must be one of"),
+                                       ({"BLOCK_M": 48}, "BLOCK_M must be a power of two")])
+def test_triton_rejects_bad_config(bad, match):
+    """A config from a hand-edited file or a caller names the knob it got wrong."""
+    if not backend_available("triton", torch.device(DEVICE)):
+        pytest.skip("triton is not usable here")
+    p = random_problem(T=9, S=4, E=3, d_in=16, d_out=16, G_out=2, device=DEVICE, seed=1)
+    with pytest.raises(ValueError, match=match):
+        op.run_kernel("triton", {**_SMALL, "GROUP_N": 1, "INTERLEAVE": False, **bad}, **p)
