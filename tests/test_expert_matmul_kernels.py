@@ -30,6 +30,9 @@ CONFIGS = {
     "interleaved": {**_SMALL, "GROUP_N": 1, "INTERLEAVE": True},
     "expert-major": {**_SMALL, "GROUP_N": 2, "INTERLEAVE": False},
     "ordered-sum": {**_SMALL, "GROUP_N": 2, "INTERLEAVE": False, "REDUCE": "ordered"},
+    # the CUDA backend's variant 2 (where d_in, d_out are multiples of 8; the other backends ignore it)
+    "cuda-v2": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, GROUP_N=1, INTERLEAVE=False,
+                    variant=2),
 }
 
 

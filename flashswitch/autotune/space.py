@@ -260,8 +260,16 @@ def _em_cuda_tiles(f: dict) -> tuple[list[int], list[int]]:
     return [32, 64, 128], [b for b in (32, 64, 128) if b <= bn_fit]
 
 
-def _em_cuda_space(f: dict) -> list[dict]:
-    """Tile shapes x {all column tiles per sweep, the L2-sized sweep}: at most 16 configs."""
+def _em_v2_applies(f: dict) -> bool:
+    """Whether the CUDA kernel's variant 2 (cp.async + ldmatrix) can run this bucket: fp16/bf16 x with
+    a weight of the same dtype, d_in and d_out multiples of 8 (the launcher also checks alignment)."""
+    return (f["dtype"] in ("fp16", "bf16") and f.get("wdtype", f["dtype"]) == f["dtype"]
+            and f["d_in"] % 8 == 0 and f["d_out"] % 8 == 0)
+
+
+def _em_cuda_space(f: dict, *, aot: bool = True) -> list[dict]:
+    """Tile shapes x {all column tiles per sweep, the L2-sized sweep}: at most 16 configs; plus, for
+    the AOT backend, variant 2 on its tiles (64 or 128, at most 8192 elements)."""
     bms, bns = _em_cuda_tiles(f)
     out = []
     for bm, bn in itertools.product(bms, bns):
@@ -269,7 +277,13 @@ def _em_cuda_space(f: dict) -> list[dict]:
             continue
         for gn in sorted({_em_group_n(f, bn), -(-f["d_out"] // bn)}):
             out.append({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_N": gn})
+            if aot and _em_v2_applies(f) and bm >= 64 and bn >= 64:
+                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_N": gn, "variant": 2})
     return out
+
+
+def _em_cupy_space(f: dict) -> list[dict]:
+    return _em_cuda_space(f, aot=False)  # NVRTC builds variant 1 only
 
 
 def _em_cuda_default(f: dict) -> dict:
@@ -288,7 +302,7 @@ SPACES = {
     ("eva_attention", "triton"): _eva_triton_space,
     ("expert_matmul", "triton"): _em_triton_space,
     ("expert_matmul", "cuda"): _em_cuda_space,
-    ("expert_matmul", "cupy"): _em_cuda_space,
+    ("expert_matmul", "cupy"): _em_cupy_space,
 }
 DEFAULTS = {
     ("chunk_summaries", "triton"): _cs_triton_default,

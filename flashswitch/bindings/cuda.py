@@ -72,6 +72,15 @@ def expert_matmul_config(config: Optional[dict]) -> tuple[int, int, int]:
     return int(cfg.get("BLOCK_M") or 0), int(cfg.get("BLOCK_N") or 0), int(cfg.get("GROUP_N") or 0)
 
 
+def expert_matmul_variant(config: Optional[dict]) -> int:
+    """The config's CUDA kernel variant: 1 (default) or 2 (cp.async pipeline + ldmatrix; the AOT
+    backend only, and only where its alignment preconditions hold: it falls back to 1 otherwise)."""
+    v = int((config or {}).get("variant") or 1)
+    if v not in (1, 2):
+        raise ValueError(f"config variant must be 1 or 2, got {v}")
+    return v
+
+
 def expert_matmul(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config=None):
     """Op 3 (SPEC.md): fill y [T, G_out, d_out] (x's dtype) over the expert-sorted pairs of `route`.
 
@@ -87,10 +96,10 @@ def expert_matmul(x3, weight, gates, route, y, *, G_in, G_out, deterministic, co
     block_m, block_n, group_n = expert_matmul_config(config)
     torch.ops.flashswitch_C.expert_matmul_fwd(x3, weight, gates, route.token, route.slot, route.offsets, y,
                                               int(route.S), int(G_out), bool(deterministic), block_m, block_n,
-                                              group_n)
+                                              group_n, expert_matmul_variant(config))
 
 
-__all__ += ["expert_matmul", "expert_matmul_config"]
+__all__ += ["expert_matmul", "expert_matmul_config", "expert_matmul_variant"]
 
 
 # ---------------------------------------------------------------- op 2: eva_attention

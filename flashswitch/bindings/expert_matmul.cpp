@@ -2,7 +2,8 @@
 //
 // Ops (namespace flashswitch_C):
 //   expert_matmul_fwd(x3, weight, gates?, token, slot, offsets, y!, S, G_out, deterministic, block_m, block_n,
-//                     group_n) -> ()                   writes y [T, G_out, d_out] (CUDA tensors, no host sync)
+//                     group_n, variant=1) -> ()        writes y [T, G_out, d_out] (CUDA tensors, no host sync);
+//                                                      variant 2: the cp.async / ldmatrix kernel where it applies
 //   expert_matmul_plan(T, S, E, G_out, d_out, deterministic, block_m, block_n, group_n) -> int[]
 //       the launch shape [block_m, block_n, mode, grid_m, n_tiles_n, group_n, tiles, grid, workspace_elems,
 //       finish_grid] (for tests)
@@ -35,7 +36,7 @@ void em_check_index(const char* name, const at::Tensor& t, const at::Tensor& x, 
 void expert_matmul_fwd(const at::Tensor& x3, const at::Tensor& weight, const std::optional<at::Tensor>& gates,
                        const at::Tensor& token, const at::Tensor& slot, const at::Tensor& offsets, at::Tensor& y,
                        int64_t S, int64_t G_out, bool deterministic, int64_t block_m, int64_t block_n,
-                       int64_t group_n) {
+                       int64_t group_n, int64_t variant) {
   TORCH_CHECK(x3.is_cuda(), "expert_matmul_fwd: x must be a CUDA tensor, got ", x3.device());
   TORCH_CHECK(x3.dim() == 3, "expert_matmul_fwd: x must be [T, G_in, d_in], got shape ", x3.sizes());
   check_float(kOp, "x", x3);
@@ -106,6 +107,7 @@ void expert_matmul_fwd(const at::Tensor& x3, const at::Tensor& weight, const std
   a.w_dtype = w_dtype;
   a.gates_dtype = gates_dtype;
   a.deterministic = deterministic ? 1 : 0;
+  a.variant = static_cast<int>(variant);
   a.T = T;
   a.S = S;
   a.E = E;
@@ -146,7 +148,8 @@ std::vector<int64_t> expert_matmul_plan(int64_t T, int64_t S, int64_t E, int64_t
 TORCH_LIBRARY_FRAGMENT(flashswitch_C, m) {
   m.def(
       "expert_matmul_fwd(Tensor x3, Tensor weight, Tensor? gates, Tensor token, Tensor slot, Tensor offsets, "
-      "Tensor(a!) y, int S, int G_out, bool deterministic, int block_m, int block_n, int group_n) -> ()");
+      "Tensor(a!) y, int S, int G_out, bool deterministic, int block_m, int block_n, int group_n, "
+      "int variant=1) -> ()");
   m.def(
       "expert_matmul_plan(int T, int S, int E, int G_out, int d_out, bool deterministic, int block_m, "
       "int block_n, int group_n) -> int[]",

@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(FS_EVA_THREADS) eva_attention_fwd_f32_kernel(F
   }
 }
 
-// ------------------------------------------------------------------ tensor-core helpers
+// ------------------------------------------------------------------ tensor-core tiles
 template <int HD>
 struct EvaTile {
   static constexpr int BM = FS_EVA_BLOCK_M;
@@ -162,68 +162,6 @@ struct EvaTile {
   static constexpr int LD = HD + 8;              // smem row pitch in elements: +16 bytes, conflict-free ldmatrix
   static constexpr int SMEM_BYTES = (BM + 2 * BN) * LD * 2;
 };
-
-__device__ __forceinline__ unsigned int smem_addr(const void* p) {
-  return (unsigned int)__cvta_generic_to_shared(p);
-}
-
-// BYTES (4, 8 or 16) from global to shared, asynchronously (both addresses aligned to BYTES).
-template <int BYTES>
-__device__ __forceinline__ void cp_async(unsigned int dst, const void* src) {
-  if constexpr (BYTES == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(BYTES) : "memory");
-  }
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, and lane l receives
-// register i = (row l / 4, cols 2 (l % 4), +1) of matrix i (.trans: the transposed matrix).
-__device__ __forceinline__ void ldsm_x4(unsigned int (&r)[4], unsigned int addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(unsigned int (&r)[4], unsigned int addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-
-// d += a . b on a 16x8x16 tile. Layouts (g = lane / 4, c = lane % 4; each register holds two
-// consecutive-column elements, the lower column in the low half):
-//   a (16x16 row-major): a0 (row g, cols 2c..), a1 (row g+8, cols 2c..), a2 (row g, cols 2c+8..),
-//                        a3 (row g+8, cols 2c+8..)
-//   b (16x8 "col"):      b0 (k rows 2c, 2c+1, col g), b1 (k rows 2c+8, 2c+9, col g)
-//   d (16x8 fp32):       d0, d1 (row g, cols 2c, 2c+1), d2, d3 (row g+8, cols 2c, 2c+1)
-template <int DT>
-__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
-                                         unsigned int b1) {
-  if constexpr (DT == FS_DTYPE_BF16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-template <int DT>
-__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
-  return Elem<DT>::from_float(lo) | (Elem<DT>::from_float(hi) << 16);
-}
 
 // Copies rows [0, ROWS) x bytes [0, 2 HD) of a tile to shared memory (pitch LD elements), V bytes
 // per access: row r < nvalid, byte x < row_bytes come from g + r * stride + x, the rest is zero

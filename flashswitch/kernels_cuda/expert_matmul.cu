@@ -95,12 +95,12 @@ __device__ __forceinline__ void em_mma(float (&d)[4], const unsigned int (&a)[4]
 }
 
 // The row tile `pid_m` (expert-major numbering): its expert (E when there is no such tile), first
-// sorted row and the end of its expert's rows. Block-wide: every thread calls it and gets the same
-// answer. Scans the experts FS_EM_THREADS at a time, stopping once the tile is passed.
-template <int BM>
+// sorted row and the end of its expert's rows. Block-wide: every thread of the THREADS calls it and
+// gets the same answer. Scans the experts THREADS at a time, stopping once the tile is passed.
+template <int BM, int THREADS = FS_EM_THREADS>
 __device__ __forceinline__ void em_find_tile(const i64* __restrict__ offsets, i64 E, i64 pid_m, i64* s_scan,
                                              i64* s_tile, i64& e, i64& row0, i64& row_end) {
-  constexpr int NW = FS_EM_THREADS / 32;
+  constexpr int NW = THREADS / 32;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
     s_tile[0] = E;
@@ -108,7 +108,7 @@ __device__ __forceinline__ void em_find_tile(const i64* __restrict__ offsets, i6
     s_tile[2] = 0;
   }
   i64 carry = 0;  // tiles of the experts already scanned
-  for (i64 c = 0; c < E; c += FS_EM_THREADS) {
+  for (i64 c = 0; c < E; c += THREADS) {
     const i64 j = c + tid;
     i64 lo = 0, hi = 0;
     if (j < E) {
@@ -436,6 +436,189 @@ __global__ void __launch_bounds__(FS_EM_THREADS) expert_matmul_fwd_kernel(
   }
 }
 
+// ------------------------------------------------------------------ v2: cp.async pipeline + ldmatrix
+// For fp16/bf16 x with a weight of the same dtype read along n (w_sn == 1) and every row start and
+// stride a multiple of 8 elements (16 bytes), d_in and d_out multiples of 8: the gathered x rows
+// (As[r][k]) and the W[e] tile (Bs[k][n], not transposed) stream through FS_EM2_STAGES cp.async
+// stages (zero-filled past the valid rows / k / n), and the mma.sync fragments come from ldmatrix
+// (B with .trans), as in the op-2 kernel. 8 warps as (BM / 32) x (8 / (BM / 32)), each owning a
+// 32 x WN piece. Same tile numbering, row-tile search and epilogue modes as the kernel above; the
+// epilogue writes column pairs (packed 16-bit stores, float2 stores or float2 atomics).
+template <int DT, int BM, int BN>
+__global__ void __launch_bounds__(FS_EM2_THREADS) expert_matmul_fwd_v2_kernel(
+    const void* __restrict__ x, const void* __restrict__ w, const void* __restrict__ gates,
+    const int* __restrict__ token, const int* __restrict__ slot, const i64* __restrict__ offsets,
+    void* __restrict__ out, i64 E, i64 d_in, i64 d_out, i64 spg_in, i64 spg_out, i64 x_st, i64 x_sg, i64 w_se,
+    i64 w_sk, i64 w_sn, i64 g_st, i64 g_ss, i64 o_st, i64 o_sg, i64 grid_m, i64 n_tiles_n, i64 group_n, i64 tiles,
+    int gates_dtype, int mode) {
+  constexpr int T = FS_EM2_THREADS;
+  constexpr int BK = FS_EM2_BLOCK_K;
+  constexpr int NS = FS_EM2_STAGES;
+  constexpr int LDA = BK + 8;  // 80-byte rows: the 8 rows of an ldmatrix hit distinct banks
+  constexpr int LDB = BN + 8;  // (BN + 8) * 2 bytes = 4 banks past a multiple of 128 bytes: same
+  constexpr int WARPS_M = BM / 32, WARPS_N = (T / 32) / WARPS_M;
+  constexpr int WN = BN / WARPS_N;
+  constexpr int MT = 2, NT = WN / 8;
+  constexpr int A_CHUNKS = BM * BK / 8 / T;  // 16-byte copies per thread per stage
+  constexpr int B_CHUNKS = BK * BN / 8 / T;
+  static_assert(DT != FS_DTYPE_F32, "v2 is the fp16/bf16 kernel");
+  static_assert(WARPS_M * WARPS_N * 32 == T && WN % 16 == 0, "warp layout");
+  static_assert(A_CHUNKS >= 1 && B_CHUNKS >= 1 && A_CHUNKS * T * 8 == BM * BK && B_CHUNKS * T * 8 == BK * BN,
+                "tile not a multiple of the copies");
+
+  __shared__ __align__(128) unsigned short As[NS][BM * LDA];
+  __shared__ __align__(128) unsigned short Bs[NS][BK * LDB];
+  __shared__ i64 s_x[BM];   // element offset of pair r's x row
+  __shared__ i64 s_o[BM];   // element offset of pair r's output row; -1: no pair
+  __shared__ float s_g[BM]; // gate of pair r
+  __shared__ i64 s_scan[T / 32];
+  __shared__ i64 s_tile[3];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
+  const int g = lane >> 2, q = lane & 3;
+  const int lr = lane & 7, b3 = (lane >> 3) & 1, b4 = (lane >> 4) & 1;  // ldmatrix row / matrix of a lane
+  const unsigned short* xb = reinterpret_cast<const unsigned short*>(x);
+
+  for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    __syncthreads();  // the previous tile is done with the shared memory
+    const i64 per_group = group_n * grid_m;
+    const i64 grp = tile / per_group;
+    const i64 first_n = grp * group_n;
+    const i64 gn = n_tiles_n - first_n < group_n ? n_tiles_n - first_n : group_n;
+    const i64 local = tile - grp * per_group;
+    const i64 pid_m = local / gn;
+    const i64 pid_n = first_n + (local - pid_m * gn);
+
+    i64 e, row0, row_end;
+    em_find_tile<BM, T>(offsets, E, pid_m, s_scan, s_tile, e, row0, row_end);
+    if (e >= E) continue;  // uniform: no such row tile
+
+    for (int r = tid; r < BM; r += T) {
+      const i64 row = row0 + r;
+      i64 xo = 0, oo = -1;
+      float gv = 0.f;
+      if (row < row_end) {
+        const i64 t = __ldg(token + row);
+        const i64 s = __ldg(slot + row);
+        xo = t * x_st + (s / spg_in) * x_sg;
+        oo = t * o_st + (s / spg_out) * o_sg;
+        gv = gates != nullptr ? em_load_any(gates, gates_dtype, t * g_st + s * g_ss) : 1.f;
+      }
+      s_x[r] = xo;
+      s_o[r] = oo;
+      s_g[r] = gv;
+    }
+    __syncthreads();
+
+    const i64 n0 = pid_n * BN;
+    const unsigned short* wb = reinterpret_cast<const unsigned short*>(w) + e * w_se;
+
+    // Stage `st` <- k step [k0, k0 + BK): every thread issues its 16-byte copies (zeros where invalid).
+    auto load_stage = [&](int st, i64 k0) {
+#pragma unroll
+      for (int i = 0; i < A_CHUNKS; ++i) {
+        const int c = tid + i * T;
+        const int r = c / (BK / 8);
+        const int kc = (c % (BK / 8)) * 8;
+        const i64 k = k0 + kc;
+        const bool ok = s_o[r] >= 0 && k < d_in;
+        cp_async16_zfill(smem_addr(&As[st][r * LDA + kc]), ok ? xb + s_x[r] + k : xb, ok ? 16 : 0);
+      }
+#pragma unroll
+      for (int i = 0; i < B_CHUNKS; ++i) {
+        const int c = tid + i * T;
+        const int kk = c / (BN / 8);
+        const int nc = (c % (BN / 8)) * 8;
+        const i64 k = k0 + kk, n = n0 + nc;
+        const bool ok = k < d_in && n < d_out;
+        cp_async16_zfill(smem_addr(&Bs[st][kk * LDB + nc]), ok ? wb + k * w_sk + n * w_sn : wb, ok ? 16 : 0);
+      }
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.f;
+      }
+    }
+
+    const i64 nk = (d_in + BK - 1) / BK;
+#pragma unroll
+    for (int st = 0; st < NS - 1; ++st) {
+      if (st < nk) load_stage(st, (i64)st * BK);
+      cp_async_commit();  // (empty groups keep the count uniform)
+    }
+    for (i64 kt = 0; kt < nk; ++kt) {
+      cp_async_wait<NS - 2>();  // this thread's copies of step kt have landed ...
+      __syncthreads();          // ... everyone's; and every warp is done with step kt - 1's buffer
+      const i64 kn = kt + NS - 1;
+      if (kn < nk) load_stage((int)(kn % NS), kn * BK);  // into the buffer step kt - 1 used
+      cp_async_commit();
+      const unsigned short* as = As[kt % NS];
+      const unsigned short* bs = Bs[kt % NS];
+#pragma unroll
+      for (int ks = 0; ks < BK; ks += 16) {
+        // A (row-major [r][k]): matrices (rows +0, k +0), (+8, +0), (+0, +8), (+8, +8) = a0..a3.
+        unsigned int a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          ldsm_x4(a[mt], smem_addr(as + (warp_m * 32 + mt * 16 + lr + 8 * b3) * LDA + ks + 8 * b4));
+        }
+        // B ([k][n]) with .trans: matrices (k +0, n +0), (+8, +0), (+0, +8), (+8, +8) = b0, b1 of two
+        // 8-column tiles.
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          unsigned int bv[4];
+          ldsm_x4_trans(bv, smem_addr(bs + (ks + lr + 8 * b3) * LDB + warp_n * WN + np * 16 + 8 * b4));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma16816<DT>(acc[mt][2 * np], a[mt], bv[0], bv[1]);
+            mma16816<DT>(acc[mt][2 * np + 1], a[mt], bv[2], bv[3]);
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();  // only empty groups are left; nothing may land after the next tile starts
+
+    // Epilogue: accumulator (mt, nt, 2h + j) is row warp_m*32 + mt*16 + g + 8h, column
+    // n0 + warp_n*WN + nt*8 + 2q + j. Columns come in even-aligned pairs, and d_out is a multiple of 8.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp_m * 32 + mt * 16 + g + 8 * h;
+        const i64 oo = s_o[r];
+        if (oo < 0) continue;
+        const float gv = s_g[r];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const i64 n = n0 + warp_n * WN + nt * 8 + 2 * q;
+          if (n >= d_out) continue;
+          const float v0 = acc[mt][nt][2 * h] * gv, v1 = acc[mt][nt][2 * h + 1] * gv;
+          const i64 idx = oo + n;
+          if (mode == FS_EM_ATOMIC) {
+            float* p = reinterpret_cast<float*>(out) + idx;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float2*>(p), make_float2(v0, v1));
+#else
+            atomicAdd(p, v0);
+            atomicAdd(p + 1, v1);
+#endif
+          } else if (mode == FS_EM_STORE_F32) {
+            *reinterpret_cast<float2*>(reinterpret_cast<float*>(out) + idx) = make_float2(v0, v1);
+          } else {
+            *reinterpret_cast<unsigned int*>(reinterpret_cast<unsigned short*>(out) + idx) = pack2<DT>(v0, v1);
+          }
+        }
+      }
+    }
+  }
+}
+
 // y[t, g, n] = sum_{j < spg} src[(t * G_out + g) * spg + j][n], j in increasing order (src: fp32 rows of
 // d_out, contiguous). spg = 1 casts an fp32 accumulator into y.
 template <int DT>
@@ -510,6 +693,42 @@ cudaError_t em_by_tile(const fs_expert_matmul_args& a, const fs_expert_matmul_pl
     case 64128: return em_launch<DT, WDT, 64, 128>(a, p, o, s);
     case 128032: return em_launch<DT, WDT, 128, 32>(a, p, o, s);
     case 128064: return em_launch<DT, WDT, 128, 64>(a, p, o, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <int DT, int BM, int BN>
+cudaError_t em_launch_v2(const fs_expert_matmul_args& a, const fs_expert_matmul_plan& p, const EmTarget& o,
+                         cudaStream_t stream) {
+  const long long x_st = a.T > 1 ? a.x_stride[0] : 0;
+  const long long x_sg = a.G_in > 1 ? a.x_stride[1] : 0;
+  const long long w_se = a.E > 1 ? a.w_stride[0] : 0;
+  flashswitch::expert_matmul_fwd_v2_kernel<DT, BM, BN><<<(unsigned int)p.grid, FS_EM2_THREADS, 0, stream>>>(
+      a.x, a.weight, a.gates, a.token, a.slot, a.offsets, o.out, a.E, a.d_in, a.d_out, a.S / a.G_in, o.spg_out,
+      x_st, x_sg, w_se, a.w_stride[1], 1, a.gates_stride[0], a.gates_stride[1], o.st, o.sg, p.grid_m,
+      p.n_tiles_n, p.group_n, p.tiles, a.gates_dtype, p.mode);
+  return cudaGetLastError();
+}
+
+// The v2 kernel's preconditions (see its comment), else the plain kernel runs.
+bool em_v2_fits(const fs_expert_matmul_args& a, const fs_expert_matmul_plan& p, const EmTarget& o) {
+  auto al = [](long long v) { return v % 8 == 0; };  // 16 bytes of 16-bit elements
+  const bool half = a.x_dtype == FS_DTYPE_F16 || a.x_dtype == FS_DTYPE_BF16;
+  const bool tile = (p.block_m == 64 || p.block_m == 128) && (p.block_n == 64 || p.block_n == 128);
+  return half && a.w_dtype == a.x_dtype && tile && al(a.d_in) && al(a.d_out) &&
+         (a.d_out <= 1 || a.w_stride[2] == 1) && ((size_t)a.x & 15) == 0 && ((size_t)a.weight & 15) == 0 &&
+         (a.T <= 1 || al(a.x_stride[0])) && (a.G_in <= 1 || al(a.x_stride[1])) &&
+         (a.E <= 1 || al(a.w_stride[0])) && (a.d_in <= 1 || al(a.w_stride[1])) &&
+         ((size_t)o.out & 7) == 0 && o.st % 2 == 0 && o.sg % 2 == 0;  // column pairs in the epilogue
+}
+
+template <int DT>
+cudaError_t em_by_tile_v2(const fs_expert_matmul_args& a, const fs_expert_matmul_plan& p, const EmTarget& o,
+                          cudaStream_t s) {
+  switch (p.block_m * 1000 + p.block_n) {
+    case 64064: return em_launch_v2<DT, 64, 64>(a, p, o, s);
+    case 64128: return em_launch_v2<DT, 64, 128>(a, p, o, s);
+    case 128064: return em_launch_v2<DT, 128, 64>(a, p, o, s);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -590,7 +809,11 @@ extern "C" cudaError_t fs_expert_matmul_fwd(const fs_expert_matmul_args* a, int 
     if (err != cudaSuccess) return err;
   }
 
-  if (p.grid > 0) {
+  if (p.grid > 0 && a->variant == 2 && em_v2_fits(*a, p, o)) {
+    err = a->x_dtype == FS_DTYPE_F16 ? em_by_tile_v2<FS_DTYPE_F16>(*a, p, o, stream)
+                                     : em_by_tile_v2<FS_DTYPE_BF16>(*a, p, o, stream);
+    if (err != cudaSuccess) return err;
+  } else if (p.grid > 0) {
     switch (a->x_dtype * 3 + a->w_dtype) {
       case FS_DTYPE_F32 * 3 + FS_DTYPE_F32: err = em_by_tile<FS_DTYPE_F32, FS_DTYPE_F32>(*a, p, o, stream); break;
       case FS_DTYPE_F16 * 3 + FS_DTYPE_F16: err = em_by_tile<FS_DTYPE_F16, FS_DTYPE_F16>(*a, p, o, stream); break;

@@ -11,6 +11,9 @@
 #define FS_EM_MAX_TILE 128
 #define FS_EM_MAX_TILE_ELEMS 8192  // ... with BLOCK_M * BLOCK_N <= this (at most 64 accumulators a thread)
 #define FS_EM_FINISH_THREADS 256   // threads of the finishing (cast / group-sum) kernel
+#define FS_EM2_THREADS 256         // variant 2 (expert_matmul_fwd_v2_kernel): 8 warps,
+#define FS_EM2_BLOCK_K 32          // k step,
+#define FS_EM2_STAGES 3            // cp.async stages in flight (static shared memory <= 48 KB)
 #define FS_EM_FINISH_MAX_GRID 65536
 
 // Epilogue modes of the main kernel.
@@ -44,6 +47,7 @@ typedef struct fs_expert_matmul_args {
   int w_dtype;      // FS_DTYPE_* of weight
   int gates_dtype;  // FS_DTYPE_* of gates (ignored when gates is NULL)
   int deterministic;
+  int variant;      // 2: the cp.async / ldmatrix kernel where its preconditions hold; else the plain one
   long long T, S, E, G_in, G_out, d_in, d_out;
   long long x_stride[2];      // t, g
   long long w_stride[3];      // e, k (d_in), n (d_out)
