@@ -20,7 +20,8 @@ from flashswitch.testing import assert_close
 F32 = torch.float32
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 NVRTC_NAMES = ([f"flashswitch::eva_attention_fwd_kernel<{dt},{hd}>" for dt in (1, 2) for hd in HEAD_DIMS]
-               + [f"flashswitch::eva_attention_fwd_f32_kernel<{e}>" for e in (2, 4, 8)])
+               + [f"flashswitch::eva_attention_fwd_f32_kernel<{e}>" for e in (2, 4, 8)]
+               + [f"flashswitch::eva_attention_decode_kernel<{dt},{e}>" for dt in (1, 2) for e in (2, 4, 8)])
 
 
 # ---------------------------------------------------------------- NVRTC (no GPU)
@@ -29,7 +30,7 @@ def test_nvrtc_compiles_every_instantiation(names):
     """Every template the launchers name compiles under NVRTC for sm_90 (the CuPy path), no local memory."""
     lowered, cubin_bytes = nvrtc_compile("eva_attention.cu", names, "-ftz=true")
     for name in names:
-        assert "eva_attention_fwd" in lowered[name]
+        assert "eva_attention_fwd" in lowered[name] or "eva_attention_decode" in lowered[name]
     assert cubin_bytes > 1000
 
 
@@ -199,3 +200,68 @@ def test_loaders_agree_bitwise(loader):
     a = op.run_kernel("cuda", None, **p)
     b = op.run_kernel("cupy", None, **p)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ---------------------------------------------------------------- decode kernel (config {"decode": 1})
+def _check_decode(p, scale=None):
+    """The AOT backend with the decode kernel asked for, against the fp64 oracle."""
+    from flashswitch.ops import eva_attention as op
+    o, lse = op.run_kernel("cuda", {"decode": 1}, **p, scale=scale)
+    torch.cuda.synchronize()
+    ref_o, ref_l = numpy_eva_attention(**p, scale=scale, return_lse=True)
+    base_o, base_l = torch_eva_attention(**p, scale=scale, return_lse=True)
+    assert_close("o", o, ref_o, p["q"].dtype, baseline=base_o)
+    assert_close("lse", lse, ref_l, F32, baseline=base_l)
+
+
+# (B, H, Hkv, Nq, Nk, D, C, W), window, summary_bias, extra random_problem keywords
+DECODE_CASES = [
+    ((4, 8, 8, 1, 2000, 128, 32, 256), "block", "log_count", {}),
+    ((2, 8, 2, 1, 3001, 64, 16, 128), "sliding", "tensor", {}),       # GQA, a tensor bias
+    ((2, 4, 4, 16, 1500, 256, 8, 64), "block", None, {}),             # 16 queries, D = 256
+    ((1, 4, 1, 3, 777, 96, 4, 16), "sliding", "log_count", dict(q_offset=500)),
+    ((1, 2, 2, 1, 40, 40, 4, 8), "block", "tensor", {}),              # few keys: warps with nothing to do
+    ((1, 2, 2, 5, 300, 20, 2, 6), "sliding", None, dict(layout="strided")),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_decode_kernel_vs_reference(dtype, case):
+    need_loader("cuda")
+    (B, H, Hkv, Nq, Nk, D, C, W), window, bias, extra = DECODE_CASES[case]
+    p = random_problem(B, H, Hkv, Nq, Nk, D, C, W, window=window, summary_bias=bias, dtype=dtype, device=DEVICE,
+                       seed=case, **extra)
+    _check_decode(p)
+    _check_decode(p, scale=0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 76, 75, 128])
+def test_decode_kernel_misaligned(D):
+    """Rows only 2-byte aligned (and D not a multiple of the lane's elements): element-wise loads."""
+    need_loader("cuda")
+    p = random_problem(2, 4, 2, 2, 500, D, 4, 16, window="sliding", summary_bias="tensor", dtype=torch.bfloat16,
+                       device=DEVICE, seed=D)
+    for name in ("q", "k", "v", "k_sum", "v_sum"):
+        p[name] = _misalign(p[name])
+    _check_decode(p)
+
+
+@pytest.mark.gpu
+def test_decode_kernel_switched_off_summaries():
+    need_loader("cuda")
+    p = random_problem(1, 2, 1, 1, 900, 64, 2, 8, summary_bias="tensor", dtype=torch.bfloat16, device=DEVICE)
+    bias = p["summary_bias"].clone()
+    bias[..., :300] = float("-inf")
+    p["summary_bias"] = bias
+    _check_decode(p)
+
+
+def test_decode_kernel_in_the_cuda_space():
+    from flashswitch.autotune import space
+    f = dict(dtype="bf16", D=128, C=32, W=256, window="block", decode=True, rows=512, keys=32768)
+    assert space.config_space("eva_attention", "cuda", f) == [{"decode": 0}, {"decode": 1}]
+    assert space.config_space("eva_attention", "cuda", {**f, "decode": False}) == [{}]
+    assert space.config_space("eva_attention", "cuda", {**f, "dtype": "fp32"}) == [{}]

@@ -161,6 +161,13 @@ def _eva_triton_default(f: dict) -> dict:
     return cfg
 
 
+def _eva_cuda_space(f: dict) -> list[dict]:
+    """The AOT CUDA backend's one knob: the decode kernel for few queries (fp16/bf16)."""
+    if f.get("decode") and f["dtype"] in ("fp16", "bf16"):
+        return [{"decode": 0}, {"decode": 1}]
+    return [{}]
+
+
 # ---------------------------------------------------------------- op 3: expert_matmul
 _EM_L2_BUDGET = 16 << 20  # bytes of accumulator / weights a schedule tries to keep in L2
 
@@ -300,6 +307,7 @@ SPACES = {
     ("chunk_summaries", "cuda"): _cs_cuda_space,
     ("chunk_summaries", "cupy"): _cs_cuda_space,
     ("eva_attention", "triton"): _eva_triton_space,
+    ("eva_attention", "cuda"): _eva_cuda_space,
     ("expert_matmul", "triton"): _em_triton_space,
     ("expert_matmul", "cuda"): _em_cuda_space,
     ("expert_matmul", "cupy"): _em_cupy_space,

@@ -109,8 +109,9 @@ def eva_attention(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_siz
 
     q: [B, H, Nq, D]; k, v: [B, Hkv, Nk, D]; k_sum, v_sum: [B, Hkv, Nc, D]; last dims contiguous, other
     strides free. bias: None or an fp32 [B, Hkv, Nc] tensor (any strides); log_count: log n_c as the
-    summary bias. The kernel has no tuning knobs: config is accepted and unused. Same signature as the
-    Triton and CuPy launchers."""
+    summary bias. config: {"decode": 1} runs the decode kernel (one block per query row, its keys
+    split across 8 warps) for fp16/bf16 with Nq <= 16; else the tensor-core kernel. Same signature as
+    the Triton and CuPy launchers."""
     err = _load_error()
     if err is not None:
         raise RuntimeError(f"flashswitch._C is not usable: {err}")
@@ -118,7 +119,7 @@ def eva_attention(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_siz
         raise RuntimeError("flashswitch._C was built without eva_attention_fwd; rebuild the extension")
     torch.ops.flashswitch_C.eva_attention_fwd(q, k, v, k_sum, v_sum, bias, o, lse, int(chunk_size),
                                               int(window_size), bool(sliding), float(scale), int(q_offset),
-                                              bool(log_count))
+                                              bool(log_count), int((config or {}).get("decode", 0)))
 
 
 __all__ += ["eva_attention"]

@@ -2,7 +2,8 @@
 //
 // Ops (namespace flashswitch_C):
 //   eva_attention_fwd(q, k, v, k_sum, v_sum, bias?, o!, lse!, chunk_size, window_size, sliding, scale,
-//                     q_offset, log_count) -> ()        writes o, lse (CUDA tensors)
+//                     q_offset, log_count, decode=0) -> ()   writes o, lse (CUDA tensors); decode=1: the
+//                     decode kernel (one block per query row) for fp16/bf16 with Nq <= 16
 //   eva_attention_plan(D, dtype, align, B, H, Nq) -> int[]
 //       the launch shape [head_dim, block_m, block_n, vec_bytes, threads, grid, smem_bytes] (for tests);
 //       dtype is an FS_DTYPE_* code (0 fp32, 1 fp16, 2 bf16)
@@ -26,7 +27,7 @@ constexpr const char* kOp = "eva_attention_fwd";
 void eva_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_sum,
                        const at::Tensor& v_sum, const std::optional<at::Tensor>& bias, at::Tensor& o,
                        at::Tensor& lse, int64_t chunk_size, int64_t window_size, bool sliding, double scale,
-                       int64_t q_offset, bool log_count) {
+                       int64_t q_offset, bool log_count, int64_t decode) {
   TORCH_CHECK(q.is_cuda(), "eva_attention_fwd: q must be a CUDA tensor, got ", q.device());
   TORCH_CHECK(q.dim() == 4, "eva_attention_fwd: q must be [B, H, Nq, D], got shape ", q.sizes());
   check_float(kOp, "q", q);
@@ -66,6 +67,7 @@ void eva_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   check_shape(kOp, "lse", lse, {B, H, Nq});
 
   fs_eva_attention_args a{};
+  a.decode_kernel = decode != 0 ? 1 : 0;
   a.bias_mode = log_count ? FS_EVA_BIAS_LOG_COUNT : FS_EVA_BIAS_NONE;
   if (bias.has_value()) {
     const at::Tensor& t = *bias;
@@ -133,8 +135,8 @@ std::vector<int64_t> eva_attention_plan(int64_t D, int64_t dtype, int64_t align,
 TORCH_LIBRARY_FRAGMENT(flashswitch_C, m) {
   m.def(
       "eva_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor k_sum, Tensor v_sum, Tensor? bias, Tensor(a!) o, "
-      "Tensor(b!) lse, int chunk_size, int window_size, bool sliding, float scale, int q_offset, bool log_count) "
-      "-> ()");
+      "Tensor(b!) lse, int chunk_size, int window_size, bool sliding, float scale, int q_offset, bool log_count, "
+      "int decode=0) -> ()");
   m.def("eva_attention_plan(int D, int dtype, int align, int B, int H, int Nq) -> int[]", &eva_attention_plan);
 }
 

@@ -154,6 +154,171 @@ __global__ void __launch_bounds__(FS_EVA_THREADS) eva_attention_fwd_f32_kernel(F
   }
 }
 
+// ------------------------------------------------------------------ decode kernel (fp16 / bf16)
+// For few queries (Nq <= FS_EVA_DEC_MAX_Q), where a 64-row tensor-core tile would hold one or a few
+// valid rows and 512 (batch, head) tiles leave most of the GPU idle: one block per query row, its
+// FS_EVA_DEC_WARPS warps splitting the row's visible keys (summaries, then exact keys, as one list)
+// into contiguous slices (flash-decoding inside a block). Lane l holds dims EPL l .. EPL l + EPL - 1
+// (one 2 EPL-byte access per key row when `vec_bytes` allows it), each warp folds its slice into an
+// online-softmax state, U keys per step with their dot products reduced together, and the warps'
+// states merge through shared memory by their maxima.
+
+// w = elements [d0, d0 + EPL) of a 16-bit row, two per word (0 past D): kept packed, converted per use.
+template <int EPL>
+__device__ __forceinline__ void dec_load(unsigned int (&w)[EPL / 2], const unsigned short* row, i64 d0, i64 D,
+                                         bool vec) {
+  if (vec && d0 + EPL <= D) {
+    if constexpr (EPL == 8) {
+      const uint4 u = __ldg(reinterpret_cast<const uint4*>(row + d0));
+      w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w;
+    } else if constexpr (EPL == 4) {
+      const uint2 u = __ldg(reinterpret_cast<const uint2*>(row + d0));
+      w[0] = u.x; w[1] = u.y;
+    } else {
+      w[0] = __ldg(reinterpret_cast<const unsigned int*>(row + d0));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < EPL; e += 2) {
+      const unsigned int lo = d0 + e < D ? (unsigned int)__ldg(row + d0 + e) : 0u;
+      const unsigned int hi = d0 + e + 1 < D ? (unsigned int)__ldg(row + d0 + e + 1) : 0u;
+      w[e / 2] = lo | (hi << 16);
+    }
+  }
+}
+
+template <int DT, int EPL>
+__device__ __forceinline__ float dec_elem(const unsigned int (&w)[EPL / 2], int e) {
+  return Elem<DT>::to_float((w[e >> 1] >> ((e & 1) * 16)) & 0xffffu);
+}
+
+// f32_attend for 16-bit rows: folds keys j in [lo, hi) into (m, l, acc); warp-uniform branches.
+template <int DT, int EPL, int U>
+__device__ __forceinline__ void dec_attend(const float (&qr)[EPL], float& m, float& l, float (&acc)[EPL],
+                                           const unsigned short* kp, const unsigned short* vp, i64 sk, i64 sv,
+                                           i64 lo, i64 hi, i64 d0, i64 D, bool vec, float scale_log2,
+                                           bool summary, int bias_mode, const float* bb, i64 b_sn, i64 C, i64 Nk) {
+  for (i64 j0 = lo; j0 < hi; j0 += U) {
+    float x[U];
+    unsigned int vw[U][EPL / 2];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 j = j0 + u < hi ? j0 + u : lo;  // past hi: a valid row, its logit masked below
+      unsigned int kw[EPL / 2];
+      dec_load<EPL>(kw, kp + j * sk, d0, D, vec);
+      dec_load<EPL>(vw[u], vp + j * sv, d0, D, vec);
+      float dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) dot = fmaf(qr[e], dec_elem<DT, EPL>(kw, e), dot);
+      x[u] = dot;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) x[u] += __shfl_xor_sync(0xffffffffu, x[u], off);
+    }
+    float mx = m;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 j = j0 + u;
+      x[u] = j < hi ? x[u] * scale_log2 + (summary ? eva_bias(bias_mode, bb, b_sn, j, C, Nk) : 0.f) : neg_inf();
+      mx = fmaxf(mx, x[u]);
+    }
+    if (mx == neg_inf()) continue;  // nothing finite yet (a -inf tensor bias)
+    const float alpha = exp2f(m - mx);
+    l *= alpha;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[e] *= alpha;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float p = exp2f(x[u] - mx);  // 0 for the masked keys past hi
+      l += p;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) acc[e] = fmaf(p, dec_elem<DT, EPL>(vw[u], e), acc[e]);
+    }
+    m = mx;
+  }
+}
+
+template <int DT, int EPL>
+__global__ void __launch_bounds__(FS_EVA_DEC_WARPS * 32, EPL == 8 ? 2 : 3) eva_attention_decode_kernel(FS_EVA_PARAMS) {
+  constexpr int NW = FS_EVA_DEC_WARPS;
+  __shared__ float s_m[NW], s_l[NW];
+  __shared__ float s_acc[NW][32 * EPL];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const bool slid = sliding != 0;
+  const bool vec = vec_bytes >= 2 * EPL;  // the host checked every row start and D
+  const i64 d0 = (i64)lane * EPL;
+  const i64 rows = B * H * Nq;
+  const unsigned short* q16 = reinterpret_cast<const unsigned short*>(q);
+  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const i64 bh = row / Nq;
+    const i64 i = row - bh * Nq;
+    const i64 b = bh / H;
+    const i64 h = bh - b * H;
+    const i64 hk = h / G;
+    const i64 t = q_offset + i;
+    const i64 st = eva_start(t, C, W, slid);
+    const i64 n_sum = imin(st / C, Nc);             // summaries [0, n_sum)
+    const i64 n_ex = imax(imin(t + 1, Nk) - st, 0);  // exact keys [st, st + n_ex)
+    const i64 n_vis = n_sum + n_ex;
+    const i64 lo = n_vis * warp / NW, hi = n_vis * (warp + 1) / NW;  // this warp's slice of the list
+
+    float qr[EPL], acc[EPL];
+    {
+      unsigned int qw[EPL / 2];
+      dec_load<EPL>(qw, q16 + b * q_sb + h * q_sh + i * q_sn, d0, D, vec);
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        qr[e] = dec_elem<DT, EPL>(qw, e);
+        acc[e] = 0.f;
+      }
+    }
+    float m = neg_inf(), l = 0.f;
+    const float* bb = bias != nullptr ? bias + b * b_sb + hk * b_sh : nullptr;
+    if (lo < n_sum) {
+      dec_attend<DT, EPL, 4>(qr, m, l, acc, reinterpret_cast<const unsigned short*>(k_sum) + b * ks_sb + hk * ks_sh,
+                             reinterpret_cast<const unsigned short*>(v_sum) + b * vs_sb + hk * vs_sh, ks_sn, vs_sn,
+                             lo, imin(hi, n_sum), d0, D, vec, scale_log2, true, bias_mode, bb, b_sn, C, Nk);
+    }
+    if (hi > n_sum) {
+      dec_attend<DT, EPL, 4>(qr, m, l, acc, reinterpret_cast<const unsigned short*>(k) + b * k_sb + hk * k_sh,
+                             reinterpret_cast<const unsigned short*>(v) + b * v_sb + hk * v_sh, k_sn, v_sn,
+                             st + imax(lo - n_sum, 0), st + (hi - n_sum), d0, D, vec, scale_log2, false, bias_mode,
+                             bb, b_sn, C, Nk);
+    }
+
+    // Merge the warps' states: weight exp2(m_w - M) (0 for a warp that saw nothing).
+    if (lane == 0) {
+      s_m[warp] = m;
+      s_l[warp] = l;
+    }
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) s_acc[warp][d0 + e] = acc[e];
+    __syncthreads();
+    float M = neg_inf();
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, s_m[w]);
+    float f[NW], L = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      f[w] = s_m[w] == neg_inf() ? 0.f : exp2f(s_m[w] - M);
+      L = fmaf(f[w], s_l[w], L);
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    unsigned short* op = reinterpret_cast<unsigned short*>(o) + b * o_sb + h * o_sh + i * o_sn;
+    for (i64 d = threadIdx.x; d < D; d += NW * 32) {
+      float od = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) od = fmaf(f[w], s_acc[w][d], od);
+      op[d] = (unsigned short)Elem<DT>::from_float(od * inv);
+    }
+    if (threadIdx.x == 0) lse[b * l_sb + h * l_sh + i * l_sn] = L > 0.f ? (M + log2f(L)) * FS_LN2 : neg_inf();
+    __syncthreads();  // the next row rewrites the shared state
+  }
+}
+
 // ------------------------------------------------------------------ tensor-core tiles
 template <int HD>
 struct EvaTile {
@@ -552,6 +717,23 @@ cudaError_t by_head_dim(const fs_eva_attention_args& a, const fs_eva_attention_p
   }
 }
 
+template <int DT, int EPL>
+cudaError_t launch_decode(const fs_eva_attention_args& a, long long align, float scale_log2, cudaStream_t stream) {
+  const long long rows = a.B * a.H * a.Nq;
+  const unsigned int grid = (unsigned int)(rows < 0x7fffffffLL ? rows : 0x7fffffffLL);
+  const int vec = align >= 2 * EPL && a.D % EPL == 0 ? 2 * EPL : 0;  // one access per lane and row
+  flashswitch::eva_attention_decode_kernel<DT, EPL><<<grid, FS_EVA_DEC_WARPS * 32, 0, stream>>>(
+      FS_EVA_ARGS(a, scale_log2, vec));
+  return cudaGetLastError();
+}
+
+template <int DT>
+cudaError_t decode_by_head_dim(const fs_eva_attention_args& a, long long align, float scale_log2, cudaStream_t s) {
+  if (a.D <= 64) return launch_decode<DT, 2>(a, align, scale_log2, s);
+  if (a.D <= 128) return launch_decode<DT, 4>(a, align, scale_log2, s);
+  return launch_decode<DT, 8>(a, align, scale_log2, s);
+}
+
 template <int EPL>
 cudaError_t launch_f32(const fs_eva_attention_args& a, const fs_eva_attention_plan& p, float scale_log2,
                        cudaStream_t stream) {
@@ -626,6 +808,10 @@ extern "C" cudaError_t fs_eva_attention_fwd(const fs_eva_attention_args* a, cuda
   if (err != cudaSuccess) return err;
   if (p.grid == 0) return cudaSuccess;
   const float scale_log2 = (float)((double)a->scale * 1.4426950408889634);
+  if (a->decode_kernel && a->Nq <= FS_EVA_DEC_MAX_Q && a->D > 0) {
+    if (a->dtype == FS_DTYPE_F16) return decode_by_head_dim<FS_DTYPE_F16>(*a, align, scale_log2, stream);
+    if (a->dtype == FS_DTYPE_BF16) return decode_by_head_dim<FS_DTYPE_BF16>(*a, align, scale_log2, stream);
+  }
   switch (a->dtype) {
     case FS_DTYPE_F16: return by_head_dim<FS_DTYPE_F16>(*a, p, scale_log2, stream);
     case FS_DTYPE_BF16: return by_head_dim<FS_DTYPE_BF16>(*a, p, scale_log2, stream);

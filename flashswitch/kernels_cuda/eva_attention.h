@@ -9,6 +9,8 @@
 #define FS_EVA_BLOCK_M 64     // query rows per block of the tensor-core kernel (4 warps x 16 rows)
 #define FS_EVA_THREADS 128    // threads per block (both kernels)
 #define FS_EVA_F32_ROWS 4     // query rows per block of the fp32 kernel (one warp each)
+#define FS_EVA_DEC_WARPS 8    // decode kernel: warps per query row (each takes a slice of its keys)
+#define FS_EVA_DEC_MAX_Q 16   // decode kernel: used for Nq up to this, when asked for (decode_kernel)
 
 // Summary logit bias.
 #define FS_EVA_BIAS_NONE 0
@@ -38,6 +40,7 @@ typedef struct fs_eva_attention_args {
   int dtype;      // FS_DTYPE_*
   int sliding;    // 0: block window, 1: sliding window
   int bias_mode;  // FS_EVA_BIAS_* (TENSOR needs bias != NULL)
+  int decode_kernel;  // 1: fp16/bf16 with Nq <= FS_EVA_DEC_MAX_Q runs the decode kernel (one block per row)
   long long B, H, Hkv, Nq, Nk, Nc, D, C, W, q_offset;
   long long q_stride[3];      // b, h, n
   long long k_stride[3];      // b, h, n
