@@ -308,6 +308,15 @@ def test_route_uses_the_device_op_without_sync():
     assert torch.equal(rt.token, t_ref) and torch.equal(rt.slot, s_ref) and torch.equal(rt.offsets, o_ref)
 
 
+def test_torch_route_switch(monkeypatch):
+    """FLASHSWITCH_TORCH_ROUTE=1 takes the torch route (same result), on any device."""
+    idx = torch.randint(0, 5, (33, 3), device=DEVICE)
+    monkeypatch.setenv("FLASHSWITCH_TORCH_ROUTE", "1")
+    rt = route(idx, 5, check=False)
+    t_ref, s_ref, o_ref = op._torch_route(idx, 5)
+    assert torch.equal(rt.token, t_ref) and torch.equal(rt.slot, s_ref) and torch.equal(rt.offsets, o_ref)
+
+
 # ---------------------------------------------------------------- variant 2 (cp.async + ldmatrix kernel)
 V2_CASES = {
     "store": dict(T=300, S=2, E=5, d_in=96, d_out=128, G_out=None),

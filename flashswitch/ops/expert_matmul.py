@@ -8,6 +8,7 @@ defines the math.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -105,7 +106,8 @@ def route(expert_idx: torch.Tensor, num_experts: int, *, check: bool = True) -> 
         if lo < 0 or hi >= E:
             raise ValueError(f"expert_idx values {lo}..{hi} out of range [0, num_experts) = [0, {E})")
 
-    if dev.type == "cuda" and _device_route_available() and not torch.compiler.is_compiling():
+    if dev.type == "cuda" and _device_route_available() and not torch.compiler.is_compiling() \
+            and not os.environ.get("FLASHSWITCH_TORCH_ROUTE"):
         token, slot, offsets = torch.ops.flashswitch_C.route_fwd(expert_idx, E)  # one call, no sync
     else:
         token, slot, offsets = _torch_route(expert_idx, E, clamp=not check)
