@@ -367,3 +367,22 @@ def test_variant_config_is_checked():
     assert expert_matmul_variant(None) == 1 and expert_matmul_variant({"variant": 2}) == 2
     with pytest.raises(ValueError, match="variant must be 1 or 2"):
         expert_matmul_variant({"variant": 3})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [1, 2])
+def test_ordered_reduce_config(loader, variant):
+    """REDUCE: "ordered" (the tuner's alternative to atomics) gives the deterministic kernel's result."""
+    p = random_problem(T=150, S=8, E=6, d_in=64, d_out=64, G_in=4, G_out=1, dtype=torch.bfloat16, device=DEVICE)
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_N": 1, "variant": variant}
+    y = _run(loader, p, {**cfg, "REDUCE": "ordered"})
+    _check(y, p)
+    assert torch.equal(y, _run(loader, p, cfg, deterministic=True))
+
+
+def test_reduce_config_is_checked():
+    from flashswitch.bindings.cuda import expert_matmul_ordered
+    assert expert_matmul_ordered(None, False) is False and expert_matmul_ordered(None, True) is True
+    assert expert_matmul_ordered({"REDUCE": "ordered"}, False) is True
+    with pytest.raises(ValueError, match="REDUCE must be"):
+        expert_matmul_ordered({"REDUCE": "tree"}, False)

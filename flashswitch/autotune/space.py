@@ -286,6 +286,13 @@ def _em_cuda_space(f: dict, *, aot: bool = True) -> list[dict]:
             out.append({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_N": gn})
             if aot and _em_v2_applies(f) and bm >= 64 and bn >= 64:
                 out.append({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_N": gn, "variant": 2})
+    if _em_facts(f)["atomic"]:  # the ordered slot sum instead of atomics, on each tile shape's first sweep
+        seen = set()
+        for c in list(out):
+            key = (c["BLOCK_M"], c["BLOCK_N"], c.get("variant", 1))
+            if key not in seen:
+                seen.add(key)
+                out.append({**c, "GROUP_N": -(-f["d_out"] // c["BLOCK_N"]), "REDUCE": "ordered"})
     return out
 
 

@@ -72,6 +72,15 @@ def expert_matmul_config(config: Optional[dict]) -> tuple[int, int, int]:
     return int(cfg.get("BLOCK_M") or 0), int(cfg.get("BLOCK_N") or 0), int(cfg.get("GROUP_N") or 0)
 
 
+def expert_matmul_ordered(config: Optional[dict], deterministic: bool) -> bool:
+    """Whether the slot reduction runs as per-pair fp32 rows + an ordered sum: when asked for
+    (`deterministic`) or chosen by the config (`REDUCE: "ordered"`, as the tuner may pick it)."""
+    reduce = (config or {}).get("REDUCE", "atomic")
+    if reduce not in ("atomic", "ordered"):
+        raise ValueError(f"config REDUCE must be 'atomic' or 'ordered', got {reduce!r}")
+    return bool(deterministic) or reduce == "ordered"
+
+
 def expert_matmul_variant(config: Optional[dict]) -> int:
     """The config's CUDA kernel variant: 1 (default) or 2 (cp.async pipeline + ldmatrix; the AOT
     backend only, and only where its alignment preconditions hold: it falls back to 1 otherwise)."""
@@ -95,11 +104,11 @@ def expert_matmul(x3, weight, gates, route, y, *, G_in, G_out, deterministic, co
         raise ValueError(f"expert_matmul: x3 must be [T, G_in={G_in}, d_in], got shape {tuple(x3.shape)}")
     block_m, block_n, group_n = expert_matmul_config(config)
     torch.ops.flashswitch_C.expert_matmul_fwd(x3, weight, gates, route.token, route.slot, route.offsets, y,
-                                              int(route.S), int(G_out), bool(deterministic), block_m, block_n,
-                                              group_n, expert_matmul_variant(config))
+                                              int(route.S), int(G_out), expert_matmul_ordered(config, deterministic),
+                                              block_m, block_n, group_n, expert_matmul_variant(config))
 
 
-__all__ += ["expert_matmul", "expert_matmul_config", "expert_matmul_variant"]
+__all__ += ["expert_matmul", "expert_matmul_config", "expert_matmul_ordered", "expert_matmul_variant"]
 
 
 # ---------------------------------------------------------------- op 2: eva_attention

@@ -342,7 +342,7 @@ def expert_matmul_plan(T: int, S: int, E: int, G_out: int, d_out: int, determini
 
 def expert_matmul(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config=None):
     """Op 3 (SPEC.md), same contract as bindings.cuda.expert_matmul."""
-    from flashswitch.bindings.cuda import expert_matmul_config
+    from flashswitch.bindings.cuda import expert_matmul_config, expert_matmul_ordered
 
     if not isinstance(x3, torch.Tensor) or x3.dim() != 3 or not x3.is_cuda or x3.dtype not in DTYPE_CODES:
         raise ValueError("expert_matmul: x3 must be a CUDA float16/bfloat16/float32 tensor [T, G_in, d_in]")
@@ -370,7 +370,8 @@ def expert_matmul(x3, weight, gates, route, y, *, G_in, G_out, deterministic, co
             raise ValueError(f"expert_matmul: route.{name} must be a contiguous {dt} [{n}] tensor on {x3.device}")
 
     block_m, block_n, group_n = expert_matmul_config(config)
-    p = expert_matmul_plan(T, S, E, G_out, d_out, bool(deterministic), block_m, block_n, group_n)
+    deterministic = expert_matmul_ordered(config, deterministic)
+    p = expert_matmul_plan(T, S, E, G_out, d_out, deterministic, block_m, block_n, group_n)
     if T * G_out * d_out == 0:
         return
     dev = x3.device
