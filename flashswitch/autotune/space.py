@@ -121,19 +121,24 @@ def _eva_triton_space(f: dict) -> list[dict]:
     # BLOCK_M is clamped to the rows of a (batch, head) at launch; decode also sweeps the number of
     # key-range splits (0 = automatic). fp32 uses IEEE FMA dot products, which hold whole operand
     # rows in registers: only small tiles avoid spilling.
+    # The 16-bit spaces keep the tiles that can win on Hopper (each config is a compile: ~1-2 s on
+    # the device's CPU), about 16 per prefill bucket and 8 compiles x 6 split counts per decode one.
     fp32 = f["dtype"] == "fp32"
+    big_d = f["D"] > 128
     out = []
     if f.get("decode"):
         bms = (16,) if fp32 else (16, 64)
-        bns = (16, 32) if fp32 else ((32, 64) if f["D"] > 128 else (64, 128))
-        for bm, bn, w, s, sp in itertools.product(bms, bns, (4, 8), (2, 3), (0, 1, 2, 4, 8, 16)):
+        bns = (16, 32) if fp32 else ((32, 64) if big_d else (64, 128))
+        warps = (4, 8) if fp32 else ((8,) if big_d else (4,))
+        for bm, bn, w, s, sp in itertools.product(bms, bns, warps, (2, 3), (0, 1, 2, 4, 8, 16)):
             if _eva_triton_fits(f, bm, bn, w, s):
                 out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "NUM_SPLITS": sp})
         return out
     if fp32:
         grid = itertools.product((16, 32), (16, 32), (4, 8), (1, 2))
     else:
-        grid = itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+        tiles = (32, 64) if big_d else (64, 128)
+        grid = itertools.product(tiles, tiles, (4, 8), (2, 3))
     for bm, bn, w, s in grid:
         if _eva_triton_fits(f, bm, bn, w, s):
             out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s})
@@ -222,7 +227,7 @@ def _em_triton_space(f: dict) -> list[dict]:
     out = []
     for bm, bn, bk in itertools.product(bms, bns, bks):
         w = 8 if bm * bn >= 16384 else 4
-        for s in ((2,) if bk >= f["d_in"] else (3, 4)):
+        for s in ((2,) if bk >= f["d_in"] else (3,)):  # (4 stages never won where tried; each config is a compile)
             if not _em_triton_fits(f, bm, bn, bk, w, s):
                 continue
             il = _em_interleave(f, bm)
@@ -255,7 +260,7 @@ def _em_triton_default(f: dict) -> dict:
     bn = min(128, max(16, next_pow2(f["d_out"])))
     bk = min(32 if fp32 else 64, max(16, next_pow2(f["d_in"])))
     w = 8 if bm * bn >= 16384 else 4
-    s = 2 if bk >= f["d_in"] else (3 if bm * bn >= 16384 or fp32 else 4)
+    s = 2 if bk >= f["d_in"] else 3
     il = _em_interleave(f, bm)
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": _em_group_n(f, bn, il), "INTERLEAVE": il,
             "num_warps": w, "num_stages": s}
@@ -338,13 +343,13 @@ TUNE_SHAPES = {
         dict(B=1, H=16, N=32768, D=128, C=32),
         dict(B=4, H=8, N=4096, D=128, C=64),
     ],
-    "eva_attention": [  # keyword arguments of reference.eva_attention.random_problem
+    "eva_attention": [  # keyword arguments of reference.eva_attention.random_problem; the first
         dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=16, W=2048, window="block"),
+        dict(B=2, H=16, Hkv=16, Nk=16384, D=64, C=16, W=2048, window="block"),
         dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=32, W=256, window="sliding"),
+        dict(B=32, H=16, Hkv=16, Nq=1, Nk=32768, D=128, C=32, W=256, window="block"),
         dict(B=2, H=16, Hkv=4, Nk=8192, D=128, C=16, W=1024, window="block"),
         dict(B=1, H=16, Hkv=16, Nk=32768, D=64, C=16, W=2048, window="block"),
-        dict(B=2, H=16, Hkv=16, Nk=16384, D=64, C=16, W=2048, window="block"),
-        dict(B=32, H=16, Hkv=16, Nq=1, Nk=32768, D=128, C=32, W=256, window="block"),
         dict(B=8, H=32, Hkv=8, Nq=1, Nk=16384, D=128, C=16, W=1024, window="sliding"),
     ],
     "expert_matmul": [  # keyword arguments of reference.expert_matmul.random_problem (its paper_shapes)
