@@ -41,7 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", nargs="+", default=list(SHAPES))
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--profile", action="store_true", help="cProfile the first shape's calls per backend")
+    ap.add_argument("--profile", action="store_true", help="cProfile 50 calls of each shape and backend")
     args = ap.parse_args()
     for op in args.ops:
         spec = registry.get(op)
@@ -49,7 +49,7 @@ def main() -> None:
         if shapes is None:
             from flashswitch.reference.expert_matmul import paper_shapes
             shapes = list(paper_shapes(16384).values())[:4]
-        for i, shape in enumerate(shapes):
+        for shape in shapes:
             problem = spec.random_problem(**shape, dtype="bf16", device="cuda", seed=0)
             for backend in ("triton", "cuda", "cupy"):
                 if not backend_usable(backend):
@@ -60,7 +60,7 @@ def main() -> None:
                 g_txt = f"{g * 1e3:8.1f}" if g else "     n/a"
                 print(f"{op:16s} {registry.describe(shape):48s} {backend:7s} host {h:8.1f} us/call  "
                       f"kernel (graph) {g_txt} us", flush=True)
-                if args.profile and i == 0:
+                if args.profile:
                     prof = cProfile.Profile()
                     prof.enable()
                     for _ in range(50):
