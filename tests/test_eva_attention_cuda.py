@@ -203,10 +203,10 @@ def test_loaders_agree_bitwise(loader):
 
 
 # ---------------------------------------------------------------- decode kernel (config {"decode": 1})
-def _check_decode(p, scale=None):
-    """The AOT backend with the decode kernel asked for, against the fp64 oracle."""
+def _check_decode(p, scale=None, loader="cuda"):
+    """A CUDA loader with the decode kernel asked for, against the fp64 oracle."""
     from flashswitch.ops import eva_attention as op
-    o, lse = op.run_kernel("cuda", {"decode": 1}, **p, scale=scale)
+    o, lse = op.run_kernel(loader, {"decode": 1}, **p, scale=scale)
     torch.cuda.synchronize()
     ref_o, ref_l = numpy_eva_attention(**p, scale=scale, return_lse=True)
     base_o, base_l = torch_eva_attention(**p, scale=scale, return_lse=True)
@@ -226,15 +226,16 @@ DECODE_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loader", ["cuda", "cupy"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", range(len(DECODE_CASES)))
-def test_decode_kernel_vs_reference(dtype, case):
-    need_loader("cuda")
+def test_decode_kernel_vs_reference(loader, dtype, case):
+    need_loader(loader)
     (B, H, Hkv, Nq, Nk, D, C, W), window, bias, extra = DECODE_CASES[case]
     p = random_problem(B, H, Hkv, Nq, Nk, D, C, W, window=window, summary_bias=bias, dtype=dtype, device=DEVICE,
                        seed=case, **extra)
-    _check_decode(p)
-    _check_decode(p, scale=0.3)
+    _check_decode(p, loader=loader)
+    _check_decode(p, scale=0.3, loader=loader)
 
 
 @pytest.mark.gpu
@@ -263,5 +264,6 @@ def test_decode_kernel_in_the_cuda_space():
     from flashswitch.autotune import space
     f = dict(dtype="bf16", D=128, C=32, W=256, window="block", decode=True, rows=512, keys=32768)
     assert space.config_space("eva_attention", "cuda", f) == [{"decode": 0}, {"decode": 1}]
+    assert space.config_space("eva_attention", "cupy", f) == [{"decode": 0}, {"decode": 1}]
     assert space.config_space("eva_attention", "cuda", {**f, "decode": False}) == [{}]
     assert space.config_space("eva_attention", "cuda", {**f, "dtype": "fp32"}) == [{}]

@@ -167,7 +167,7 @@ def _eva_triton_default(f: dict) -> dict:
 
 
 def _eva_cuda_space(f: dict) -> list[dict]:
-    """The AOT CUDA backend's one knob: the decode kernel for few queries (fp16/bf16)."""
+    """The CUDA kernels' one knob (both loaders): the decode kernel for few queries (fp16/bf16)."""
     if f.get("decode") and f["dtype"] in ("fp16", "bf16"):
         return [{"decode": 0}, {"decode": 1}]
     return [{}]
@@ -320,6 +320,7 @@ SPACES = {
     ("chunk_summaries", "cupy"): _cs_cuda_space,
     ("eva_attention", "triton"): _eva_triton_space,
     ("eva_attention", "cuda"): _eva_cuda_space,
+    ("eva_attention", "cupy"): _eva_cuda_space,
     ("expert_matmul", "triton"): _em_triton_space,
     ("expert_matmul", "cuda"): _em_cuda_space,
     ("expert_matmul", "cupy"): _em_cupy_space,

@@ -419,6 +419,8 @@ EVA_MAX_D = 256
 EVA_BLOCK_M = 64
 EVA_THREADS = 128
 EVA_F32_ROWS = 4
+EVA_DEC_WARPS = 8
+EVA_DEC_MAX_Q = 16
 EVA_BIAS_NONE, EVA_BIAS_TENSOR, EVA_BIAS_LOG_COUNT = 0, 1, 2
 _EVA_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 
@@ -470,7 +472,8 @@ def _eva_check(name, t, shape, dtype, device, last=True):
 
 def eva_attention(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sliding, scale, q_offset,
                   log_count, config=None):
-    """Op 2 (SPEC.md), same contract as bindings.cuda.eva_attention (config is unused)."""
+    """Op 2 (SPEC.md), same contract as bindings.cuda.eva_attention (config {"decode": 1}: the decode
+    kernel for fp16/bf16 with Nq <= 16)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_cuda or q.dtype not in DTYPE_CODES:
         raise ValueError("eva_attention: q must be a CUDA float16/bfloat16/float32 tensor [B, H, Nq, D]")
     if not isinstance(k, torch.Tensor) or k.dim() != 4 or not isinstance(k_sum, torch.Tensor) or k_sum.dim() != 4:
@@ -512,7 +515,14 @@ def eva_attention(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_siz
     p = eva_plan(D, code, align, B, H, Nq)
     if p.grid == 0:
         return
-    if code == 0:
+    vec_bytes = p.vec_bytes
+    if (config or {}).get("decode") and code != 0 and Nq <= EVA_DEC_MAX_Q and D > 0:
+        # the decode kernel (as fs_eva_attention_fwd launches it): one block per query row
+        epl = 2 if D <= 64 else 4 if D <= 128 else 8
+        name = f"flashswitch::eva_attention_decode_kernel<{code},{epl}>"
+        vec_bytes = 2 * epl if align >= 2 * epl and D % epl == 0 else 0
+        p = p._replace(grid=min(B * H * Nq, 0x7FFFFFFF), threads=EVA_DEC_WARPS * 32, smem_bytes=0)
+    elif code == 0:
         name = f"flashswitch::eva_attention_fwd_f32_kernel<{p.head_dim // 32}>"
     else:
         name = f"flashswitch::eva_attention_fwd_kernel<{code},{p.head_dim}>"
@@ -534,7 +544,7 @@ def eva_attention(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_siz
         *(i64(v.stride(i)) for i in range(3)), *(i64(k_sum.stride(i)) for i in range(3)),
         *(i64(v_sum.stride(i)) for i in range(3)), *(i64(s) for s in sb),
         *(i64(o.stride(i)) for i in range(3)), *(i64(lse.stride(i)) for i in range(3)),
-        scale_log2, np.int32(1 if sliding else 0), np.int32(bias_mode), np.int32(p.vec_bytes),
+        scale_log2, np.int32(1 if sliding else 0), np.int32(bias_mode), np.int32(vec_bytes),
     )
     launch(fn, index, p.grid, p.threads, p.smem_bytes, args)
 
