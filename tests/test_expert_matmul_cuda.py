@@ -82,7 +82,9 @@ def test_extension_registers_op():
 NVRTC_NAMES = ["flashswitch::expert_matmul_fwd_kernel<2,2,64,64>",    # bf16
                "flashswitch::expert_matmul_fwd_kernel<1,0,32,128>",   # fp16 x, fp32 master weights
                "flashswitch::expert_matmul_fwd_kernel<0,0,128,32>",   # fp32 (no tensor cores)
-               "flashswitch::expert_matmul_finish_kernel<2>"]
+               "flashswitch::expert_matmul_finish_kernel<2>",
+               "flashswitch::expert_matmul_fwd_v2_kernel<2,64,128>",  # variant 2
+               "flashswitch::expert_matmul_fwd_v2_kernel<1,128,64>"]
 
 
 def test_nvrtc_compiles_expert_matmul():
@@ -333,33 +335,42 @@ V2_CASES = {
 @pytest.mark.parametrize("case", sorted(V2_CASES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("det", [False, True])
-def test_variant2_matches_reference(tile, case, dtype, det):
+def test_variant2_matches_reference(loader, tile, case, dtype, det):
     """The variant-2 kernel on every tile it has, in every epilogue mode, against the fp64 oracle."""
-    if not _loader_available("cuda"):
-        pytest.skip("needs the cuda backend")
     kw = dict(V2_CASES[case])
     routing = kw.pop("routing", "random")
     p = random_problem(**kw, routing=routing, dtype=dtype, device=DEVICE, seed=sorted(V2_CASES).index(case))
     cfg = {"BLOCK_M": tile[0], "BLOCK_N": tile[1], "GROUP_N": 1, "variant": 2}
-    _check(_run("cuda", p, cfg, deterministic=det), p)
+    _check(_run(loader, p, cfg, deterministic=det), p)
 
 
 @pytest.mark.gpu
-def test_variant2_falls_back_where_it_does_not_apply():
+def test_variant2_falls_back_where_it_does_not_apply(loader):
     """fp32 master weights, d_out not a multiple of 8, a misaligned x or a k-contiguous weight: variant 2
     is asked for, the plain kernel runs, the result is right."""
-    if not _loader_available("cuda"):
-        pytest.skip("needs the cuda backend")
     cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_N": 1, "variant": 2}
     p = random_problem(T=64, S=4, E=3, d_in=64, d_out=64, G_out=2, dtype=torch.bfloat16,
                        weight_dtype=torch.float32, device=DEVICE)
-    _check(_run("cuda", p, cfg), p)
+    _check(_run(loader, p, cfg), p)
     p = random_problem(T=64, S=4, E=3, d_in=64, d_out=76, G_out=2, dtype=torch.bfloat16, device=DEVICE)
-    _check(_run("cuda", p, cfg), p)
+    _check(_run(loader, p, cfg), p)
     p = random_problem(T=64, S=4, E=3, d_in=64, d_out=64, G_out=2, dtype=torch.bfloat16, device=DEVICE)
-    _check(_run("cuda", {**p, "x": _misaligned(p["x"])}, cfg), p)
+    _check(_run(loader, {**p, "x": _misaligned(p["x"])}, cfg), p)
     wt = p["weight"].transpose(1, 2).contiguous().transpose(1, 2)  # same values, k-contiguous
-    _check(_run("cuda", {**p, "weight": wt}, cfg), p)
+    _check(_run(loader, {**p, "weight": wt}, cfg), p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G_out,det", [(None, False), (1, True), (4, False)])
+def test_variant2_loaders_agree_bitwise(G_out, det):
+    """Same source, same plan: the AOT and NVRTC builds of variant 2 give identical outputs (the atomic
+    mode's sums may differ in order between runs, so it is compared through the ordered sum)."""
+    if not (_loader_available("cuda") and _loader_available("cupy")):
+        pytest.skip("needs both the cuda and cupy backends")
+    p = random_problem(T=300, S=8, E=10, d_in=128, d_out=64, G_out=G_out, dtype=torch.bfloat16, device=DEVICE,
+                       seed=11)
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_N": 1, "variant": 2, "REDUCE": "ordered"}
+    assert torch.equal(_run("cuda", p, cfg, deterministic=det), _run("cupy", p, cfg, deterministic=det))
 
 
 def test_variant_config_is_checked():

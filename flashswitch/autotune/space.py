@@ -279,9 +279,9 @@ def _em_v2_applies(f: dict) -> bool:
             and f["d_in"] % 8 == 0 and f["d_out"] % 8 == 0)
 
 
-def _em_cuda_space(f: dict, *, aot: bool = True) -> list[dict]:
-    """Tile shapes x {all column tiles per sweep, the L2-sized sweep}: at most 16 configs; plus, for
-    the AOT backend, variant 2 on its tiles (64 or 128, at most 8192 elements)."""
+def _em_cuda_space(f: dict) -> list[dict]:
+    """Tile shapes x {all column tiles per sweep, the L2-sized sweep}: at most 16 configs; plus
+    variant 2 on its tiles (64 or 128, at most 8192 elements) and the ordered slot sum."""
     bms, bns = _em_cuda_tiles(f)
     out = []
     for bm, bn in itertools.product(bms, bns):
@@ -289,7 +289,7 @@ def _em_cuda_space(f: dict, *, aot: bool = True) -> list[dict]:
             continue
         for gn in sorted({_em_group_n(f, bn), -(-f["d_out"] // bn)}):
             out.append({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_N": gn})
-            if aot and _em_v2_applies(f) and bm >= 64 and bn >= 64:
+            if _em_v2_applies(f) and bm >= 64 and bn >= 64:
                 out.append({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_N": gn, "variant": 2})
     if _em_facts(f)["atomic"]:  # the ordered slot sum instead of atomics, on each tile shape's first sweep
         seen = set()
@@ -299,10 +299,6 @@ def _em_cuda_space(f: dict, *, aot: bool = True) -> list[dict]:
                 seen.add(key)
                 out.append({**c, "GROUP_N": -(-f["d_out"] // c["BLOCK_N"]), "REDUCE": "ordered"})
     return out
-
-
-def _em_cupy_space(f: dict) -> list[dict]:
-    return _em_cuda_space(f, aot=False)  # NVRTC builds variant 1 only
 
 
 def _em_cuda_default(f: dict) -> dict:
@@ -323,7 +319,7 @@ SPACES = {
     ("eva_attention", "cupy"): _eva_cuda_space,
     ("expert_matmul", "triton"): _em_triton_space,
     ("expert_matmul", "cuda"): _em_cuda_space,
-    ("expert_matmul", "cupy"): _em_cupy_space,
+    ("expert_matmul", "cupy"): _em_cuda_space,
 }
 DEFAULTS = {
     ("chunk_summaries", "triton"): _cs_triton_default,

@@ -82,8 +82,8 @@ def expert_matmul_ordered(config: Optional[dict], deterministic: bool) -> bool:
 
 
 def expert_matmul_variant(config: Optional[dict]) -> int:
-    """The config's CUDA kernel variant: 1 (default) or 2 (cp.async pipeline + ldmatrix; the AOT
-    backend only, and only where its alignment preconditions hold: it falls back to 1 otherwise)."""
+    """The config's CUDA kernel variant: 1 (default) or 2 (cp.async pipeline + ldmatrix, only where its
+    alignment preconditions hold: the launchers fall back to 1 otherwise)."""
     v = int((config or {}).get("variant") or 1)
     if v not in (1, 2):
         raise ValueError(f"config variant must be 1 or 2, got {v}")

@@ -290,6 +290,7 @@ __all__ = ["available", "unavailable_reason", "chunk_summaries", "plan", "alignm
 # ---------------------------------------------------------------- op 3: expert_matmul
 # FS_EM_* in kernels_cuda/expert_matmul.h
 EM_THREADS = 128
+EM2_THREADS = 256  # FS_EM2_THREADS: variant 2
 EM_MIN_TILE = 32
 EM_MAX_TILE = 128
 EM_MAX_TILE_ELEMS = 8192
@@ -340,9 +341,20 @@ def expert_matmul_plan(T: int, S: int, E: int, G_out: int, d_out: int, determini
                             min(fg, EM_FINISH_MAX_GRID))
 
 
+def _em_v2_fits(x3, weight, out, dt, wdt, p, sx, sw, o_st, o_sg) -> bool:
+    """Mirror of em_v2_fits (kernels_cuda/expert_matmul.cu): where variant 2 can run."""
+    d_in, d_out = x3.shape[2], weight.shape[2]
+    return (dt in (1, 2) and wdt == dt and p.block_m in (64, 128) and p.block_n in (64, 128)
+            and d_in % 8 == 0 and d_out % 8 == 0 and (d_out <= 1 or weight.stride(2) == 1)
+            and x3.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and all(v % 8 == 0 for v in (sx[0], sx[1], sw[0], sw[1]))
+            and out.data_ptr() % 8 == 0 and o_st % 2 == 0 and o_sg % 2 == 0)
+
+
 def expert_matmul(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config=None):
-    """Op 3 (SPEC.md), same contract as bindings.cuda.expert_matmul."""
-    from flashswitch.bindings.cuda import expert_matmul_config, expert_matmul_ordered
+    """Op 3 (SPEC.md), same contract as bindings.cuda.expert_matmul (config variant 2: the cp.async /
+    ldmatrix kernel where it applies)."""
+    from flashswitch.bindings.cuda import expert_matmul_config, expert_matmul_ordered, expert_matmul_variant
 
     if not isinstance(x3, torch.Tensor) or x3.dim() != 3 or not x3.is_cuda or x3.dtype not in DTYPE_CODES:
         raise ValueError("expert_matmul: x3 must be a CUDA float16/bfloat16/float32 tensor [T, G_in, d_in]")
@@ -393,7 +405,12 @@ def expert_matmul(x3, weight, gates, route, y, *, G_in, G_out, deterministic, co
         sw = (weight.stride(0) if E > 1 else 0, weight.stride(1) if d_in > 1 else 0,
               weight.stride(2) if d_out > 1 else 0)
         sg = gates.stride() if gates is not None else (0, 0)
-        fn = kernel(index, "expert_matmul.cu", f"flashswitch::expert_matmul_fwd_kernel<{dt},{wdt},{p.block_m},{p.block_n}>")
+        if expert_matmul_variant(config) == 2 and _em_v2_fits(x3, weight, out, dt, wdt, p, sx, sw, o_st, o_sg):
+            name, threads = f"flashswitch::expert_matmul_fwd_v2_kernel<{dt},{p.block_m},{p.block_n}>", EM2_THREADS
+            sw = (sw[0], sw[1], 1)  # as em_launch_v2 passes it
+        else:
+            name, threads = f"flashswitch::expert_matmul_fwd_kernel<{dt},{wdt},{p.block_m},{p.block_n}>", EM_THREADS
+        fn = kernel(index, "expert_matmul.cu", name)
         args = (
             _ptr(x3), _ptr(weight), _ptr(gates), _ptr(route.token), _ptr(route.slot), _ptr(route.offsets), _ptr(out),
             i64(E), i64(d_in), i64(d_out), i64(S // G_in), i64(spg_out),
@@ -401,7 +418,7 @@ def expert_matmul(x3, weight, gates, route, y, *, G_in, G_out, deterministic, co
             i64(p.grid_m), i64(p.n_tiles_n), i64(p.group_n), i64(p.tiles),
             i32(DTYPE_CODES[gates.dtype] if gates is not None else 0), i32(p.mode),
         )
-        launch(fn, index, p.grid, EM_THREADS, 0, args)
+        launch(fn, index, p.grid, threads, 0, args)
     if p.finish_grid > 0:
         fn = kernel(index, "expert_matmul.cu", f"flashswitch::expert_matmul_finish_kernel<{dt}>")
         spg = 1 if p.mode == EM_ATOMIC else S // G_out
