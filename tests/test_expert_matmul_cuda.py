@@ -296,8 +296,9 @@ def test_device_route_strided_input_and_errors():
 
 
 @pytest.mark.gpu
-def test_route_uses_the_device_op_without_sync():
+def test_route_uses_the_device_op_without_sync(monkeypatch):
     _route_op()
+    monkeypatch.setenv(op.ROUTE_ENV, "device")
     idx = torch.randint(0, 16, (1024, 8), device="cuda", dtype=torch.int64)
     route(idx, 16, check=False)  # load outside the checked region
     torch.cuda.synchronize()
@@ -311,9 +312,9 @@ def test_route_uses_the_device_op_without_sync():
 
 
 def test_torch_route_switch(monkeypatch):
-    """FLASHSWITCH_TORCH_ROUTE=1 takes the torch route (same result), on any device."""
+    """FLASHSWITCH_ROUTE=torch takes the torch route (same result), on any device."""
     idx = torch.randint(0, 5, (33, 3), device=DEVICE)
-    monkeypatch.setenv("FLASHSWITCH_TORCH_ROUTE", "1")
+    monkeypatch.setenv(op.ROUTE_ENV, "torch")
     rt = route(idx, 5, check=False)
     t_ref, s_ref, o_ref = op._torch_route(idx, 5)
     assert torch.equal(rt.token, t_ref) and torch.equal(rt.slot, s_ref) and torch.equal(rt.offsets, o_ref)

@@ -106,18 +106,25 @@ def route(expert_idx: torch.Tensor, num_experts: int, *, check: bool = True) -> 
         if lo < 0 or hi >= E:
             raise ValueError(f"expert_idx values {lo}..{hi} out of range [0, num_experts) = [0, {E})")
 
-    if dev.type == "cuda" and _device_route_available() and not torch.compiler.is_compiling() \
-            and not os.environ.get("FLASHSWITCH_TORCH_ROUTE"):
+    if dev.type == "cuda" and _device_route_wanted() and not torch.compiler.is_compiling():
         token, slot, offsets = torch.ops.flashswitch_C.route_fwd(expert_idx, E)  # one call, no sync
     else:
         token, slot, offsets = _torch_route(expert_idx, E, clamp=not check)
     return Route(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E)
 
 
+ROUTE_ENV = "FLASHSWITCH_ROUTE"  # "device": the extension's one-call sort; "torch" (default): torch ops
+
+
+def _device_route_wanted() -> bool:
+    """FLASHSWITCH_ROUTE=device and the extension has the device routing op (kernels_cuda/route.cu):
+    one C++ call instead of ~8 torch launches, most of route()'s cost on a slow host. Opt-in until
+    it has run on a GPU (bench/NOTES.md); both give the same route."""
+    return os.environ.get(ROUTE_ENV, "torch") == "device" and _device_route_available()
+
+
 @functools.lru_cache(maxsize=None)
 def _device_route_available() -> bool:
-    """Whether the extension has the device routing op (kernels_cuda/route.cu): one C++ call instead of
-    ~8 torch launches, which is most of route()'s cost on a slow host."""
     from flashswitch.bindings import cuda as B
     return B.available() and hasattr(torch.ops.flashswitch_C, "route_fwd")
 
