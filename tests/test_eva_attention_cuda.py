@@ -98,6 +98,13 @@ def _check(loader, p, scale=None):
     assert_close("lse", lse, ref_l, F32, baseline=base_l)
 
 
+def _case_problem(case, dtype, seed):
+    """The random problem of a CASES / DECODE_CASES entry."""
+    (B, H, Hkv, Nq, Nk, D, C, W), window, bias, extra = case
+    return random_problem(B, H, Hkv, Nq, Nk, D, C, W, window=window, summary_bias=bias, dtype=dtype, device=DEVICE,
+                          seed=seed, **extra)
+
+
 # (B, H, Hkv, Nq, Nk, D, C, W), window, summary_bias, extra random_problem keywords
 CASES = [
     ((2, 4, 2, None, 300, 64, 16, 64), "block", None, {}),
@@ -118,9 +125,7 @@ CASES = [
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_smoke_vs_reference(loader, dtype, case):
     need_loader(loader)
-    (B, H, Hkv, Nq, Nk, D, C, W), window, bias, extra = CASES[case]
-    p = random_problem(B, H, Hkv, Nq, Nk, D, C, W, window=window, summary_bias=bias, dtype=dtype, device=DEVICE,
-                       seed=case, **extra)
+    p = _case_problem(CASES[case], dtype, seed=case)
     _check(loader, p)
     _check(loader, p, scale=0.3)
 
@@ -231,9 +236,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("case", range(len(DECODE_CASES)))
 def test_decode_kernel_vs_reference(loader, dtype, case):
     need_loader(loader)
-    (B, H, Hkv, Nq, Nk, D, C, W), window, bias, extra = DECODE_CASES[case]
-    p = random_problem(B, H, Hkv, Nq, Nk, D, C, W, window=window, summary_bias=bias, dtype=dtype, device=DEVICE,
-                       seed=case, **extra)
+    p = _case_problem(DECODE_CASES[case], dtype, seed=case)
     _check_decode(p, loader=loader)
     _check_decode(p, scale=0.3, loader=loader)
 

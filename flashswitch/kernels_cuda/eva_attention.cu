@@ -52,6 +52,41 @@ __device__ __forceinline__ float eva_bias(int mode, const float* bb, i64 b_sn, i
 }
 
 // ------------------------------------------------------------------ fp32 kernel
+// Keys j0 + u (u < U) with this lane's partial dot products x: the warp's sums (an xor butterfly,
+// which leaves bit-identical sums in every lane, so what follows is warp-uniform), base-2 logits
+// (scaled, plus the summary bias; -inf at or past hi), folded into the online-softmax state
+// (m, l, acc) of a row, value element e of key u being v(u, e).
+template <int U, int EPL, class V>
+__device__ __forceinline__ void eva_fold(float (&x)[U], i64 j0, i64 hi, float scale_log2, bool summary, int bias_mode,
+                                         const float* bb, i64 b_sn, i64 C, i64 Nk, float& m, float& l,
+                                         float (&acc)[EPL], V v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) x[u] += __shfl_xor_sync(0xffffffffu, x[u], off);
+  }
+  float mx = m;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const i64 j = j0 + u;
+    x[u] = j < hi ? x[u] * scale_log2 + (summary ? eva_bias(bias_mode, bb, b_sn, j, C, Nk) : 0.f) : neg_inf();
+    mx = fmaxf(mx, x[u]);
+  }
+  if (mx == neg_inf()) return;  // nothing finite yet (a -inf tensor bias)
+  const float alpha = exp2f(m - mx);
+  l *= alpha;
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) acc[e] *= alpha;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const float p = exp2f(x[u] - mx);  // 0 for the keys past hi
+    l += p;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[e] = fmaf(p, v(u, e), acc[e]);
+  }
+  m = mx;
+}
+
 // Folds keys j in [lo, hi) of one kv head into the online softmax state (m, l, acc) of a row;
 // U keys per step, their dot products reduced together. The xor butterfly leaves bit-identical
 // sums in every lane, so all branches below are warp-uniform.
@@ -77,35 +112,8 @@ __device__ __forceinline__ void f32_attend(const float (&qr)[EPL], float& m, flo
       }
       x[u] = dot;
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) x[u] += __shfl_xor_sync(0xffffffffu, x[u], off);
-    }
-    float mx = m;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const i64 j = j0 + u;
-      if (j < hi) {
-        x[u] = x[u] * scale_log2 + (summary ? eva_bias(bias_mode, bb, b_sn, j, C, Nk) : 0.f);
-      } else {
-        x[u] = neg_inf();
-      }
-      mx = fmaxf(mx, x[u]);
-    }
-    if (mx == neg_inf()) continue;  // nothing finite yet (a -inf tensor bias)
-    const float alpha = exp2f(m - mx);
-    l *= alpha;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[e] *= alpha;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const float p = exp2f(x[u] - mx);
-      l += p;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) acc[e] = fmaf(p, vv[u][e], acc[e]);
-    }
-    m = mx;
+    eva_fold<U, EPL>(x, j0, hi, scale_log2, summary, bias_mode, bb, b_sn, C, Nk, m, l, acc,
+                     [&](int u, int e) { return vv[u][e]; });
   }
 }
 
@@ -212,31 +220,8 @@ __device__ __forceinline__ void dec_attend(const float (&qr)[EPL], float& m, flo
       for (int e = 0; e < EPL; ++e) dot = fmaf(qr[e], dec_elem<DT, EPL>(kw, e), dot);
       x[u] = dot;
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) x[u] += __shfl_xor_sync(0xffffffffu, x[u], off);
-    }
-    float mx = m;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const i64 j = j0 + u;
-      x[u] = j < hi ? x[u] * scale_log2 + (summary ? eva_bias(bias_mode, bb, b_sn, j, C, Nk) : 0.f) : neg_inf();
-      mx = fmaxf(mx, x[u]);
-    }
-    if (mx == neg_inf()) continue;  // nothing finite yet (a -inf tensor bias)
-    const float alpha = exp2f(m - mx);
-    l *= alpha;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[e] *= alpha;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const float p = exp2f(x[u] - mx);  // 0 for the masked keys past hi
-      l += p;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) acc[e] = fmaf(p, dec_elem<DT, EPL>(vw[u], e), acc[e]);
-    }
-    m = mx;
+    eva_fold<U, EPL>(x, j0, hi, scale_log2, summary, bias_mode, bb, b_sn, C, Nk, m, l, acc,
+                     [&](int u, int e) { return dec_elem<DT, EPL>(vw[u], e); });
   }
 }
 

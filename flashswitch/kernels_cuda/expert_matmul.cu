@@ -147,6 +147,47 @@ __device__ __forceinline__ void em_find_tile(const i64* __restrict__ offsets, i6
   row_end = s_tile[2];
 }
 
+// The work of schedule slot `tile`: its column tile pid_n and row tile (expert e, sorted rows from
+// row0, ordered (group of GROUP_N column tiles, row tile, column tile in group)), and the per-pair facts
+// of the row tile in shared memory: x row offset, output row offset (-1 past the expert's rows) and
+// gate. Block-wide; false (the same in every thread) when the row tile does not exist.
+template <int BM, int THREADS>
+__device__ __forceinline__ bool em_row_tile(i64 tile, i64 grid_m, i64 n_tiles_n, i64 group_n,
+                                            const i64* __restrict__ offsets, i64 E, const int* __restrict__ token,
+                                            const int* __restrict__ slot, const void* __restrict__ gates,
+                                            int gates_dtype, i64 x_st, i64 x_sg, i64 spg_in, i64 o_st, i64 o_sg,
+                                            i64 spg_out, i64 g_st, i64 g_ss, i64* s_scan, i64* s_tile, i64* s_x,
+                                            i64* s_o, float* s_g, i64& e, i64& pid_n) {
+  const i64 per_group = group_n * grid_m;
+  const i64 grp = tile / per_group;
+  const i64 first_n = grp * group_n;
+  const i64 gn = n_tiles_n - first_n < group_n ? n_tiles_n - first_n : group_n;
+  const i64 local = tile - grp * per_group;
+  const i64 pid_m = local / gn;
+  pid_n = first_n + (local - pid_m * gn);
+
+  i64 row0, row_end;
+  em_find_tile<BM, THREADS>(offsets, E, pid_m, s_scan, s_tile, e, row0, row_end);
+  if (e >= E) return false;
+  for (int r = threadIdx.x; r < BM; r += THREADS) {
+    const i64 row = row0 + r;
+    i64 xo = 0, oo = -1;
+    float gv = 0.f;
+    if (row < row_end) {
+      const i64 t = __ldg(token + row);
+      const i64 s = __ldg(slot + row);
+      xo = t * x_st + (s / spg_in) * x_sg;
+      oo = t * o_st + (s / spg_out) * o_sg;
+      gv = gates != nullptr ? em_load_any(gates, gates_dtype, t * g_st + s * g_ss) : 1.f;
+    }
+    s_x[r] = xo;
+    s_o[r] = oo;
+    s_g[r] = gv;
+  }
+  __syncthreads();
+  return true;
+}
+
 // DT: dtype of x (and of the shared tiles); WDT: dtype of weight (DT, or fp32 with fp16/bf16 x).
 template <int DT, int WDT, int BM, int BN>
 __global__ void __launch_bounds__(FS_EM_THREADS) expert_matmul_fwd_kernel(
@@ -196,35 +237,10 @@ __global__ void __launch_bounds__(FS_EM_THREADS) expert_matmul_fwd_kernel(
 
   for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     __syncthreads();  // the previous tile is done with the shared memory
-    const i64 per_group = group_n * grid_m;
-    const i64 grp = tile / per_group;
-    const i64 first_n = grp * group_n;
-    const i64 gn = n_tiles_n - first_n < group_n ? n_tiles_n - first_n : group_n;
-    const i64 local = tile - grp * per_group;
-    const i64 pid_m = local / gn;
-    const i64 pid_n = first_n + (local - pid_m * gn);
-
-    i64 e, row0, row_end;
-    em_find_tile<BM>(offsets, E, pid_m, s_scan, s_tile, e, row0, row_end);
-    if (e >= E) continue;  // uniform: no such row tile
-
-    // Per-pair rows of the tile.
-    for (int r = tid; r < BM; r += T) {
-      const i64 row = row0 + r;
-      i64 xo = 0, oo = -1;
-      float gv = 0.f;
-      if (row < row_end) {
-        const i64 t = __ldg(token + row);
-        const i64 s = __ldg(slot + row);
-        xo = t * x_st + (s / spg_in) * x_sg;
-        oo = t * o_st + (s / spg_out) * o_sg;
-        gv = gates != nullptr ? em_load_any(gates, gates_dtype, t * g_st + s * g_ss) : 1.f;
-      }
-      s_x[r] = xo;
-      s_o[r] = oo;
-      s_g[r] = gv;
-    }
-    __syncthreads();
+    i64 e, pid_n;
+    if (!em_row_tile<BM, T>(tile, grid_m, n_tiles_n, group_n, offsets, E, token, slot, gates, gates_dtype, x_st,
+                            x_sg, spg_in, o_st, o_sg, spg_out, g_st, g_ss, s_scan, s_tile, s_x, s_o, s_g, e, pid_n))
+      continue;  // uniform: no such row tile
 
     const i64 n0 = pid_n * BN;
     const char* wb = reinterpret_cast<const char*>(w) + e * w_se * WS;
@@ -482,34 +498,10 @@ __global__ void __launch_bounds__(FS_EM2_THREADS) expert_matmul_fwd_v2_kernel(
 
   for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     __syncthreads();  // the previous tile is done with the shared memory
-    const i64 per_group = group_n * grid_m;
-    const i64 grp = tile / per_group;
-    const i64 first_n = grp * group_n;
-    const i64 gn = n_tiles_n - first_n < group_n ? n_tiles_n - first_n : group_n;
-    const i64 local = tile - grp * per_group;
-    const i64 pid_m = local / gn;
-    const i64 pid_n = first_n + (local - pid_m * gn);
-
-    i64 e, row0, row_end;
-    em_find_tile<BM, T>(offsets, E, pid_m, s_scan, s_tile, e, row0, row_end);
-    if (e >= E) continue;  // uniform: no such row tile
-
-    for (int r = tid; r < BM; r += T) {
-      const i64 row = row0 + r;
-      i64 xo = 0, oo = -1;
-      float gv = 0.f;
-      if (row < row_end) {
-        const i64 t = __ldg(token + row);
-        const i64 s = __ldg(slot + row);
-        xo = t * x_st + (s / spg_in) * x_sg;
-        oo = t * o_st + (s / spg_out) * o_sg;
-        gv = gates != nullptr ? em_load_any(gates, gates_dtype, t * g_st + s * g_ss) : 1.f;
-      }
-      s_x[r] = xo;
-      s_o[r] = oo;
-      s_g[r] = gv;
-    }
-    __syncthreads();
+    i64 e, pid_n;
+    if (!em_row_tile<BM, T>(tile, grid_m, n_tiles_n, group_n, offsets, E, token, slot, gates, gates_dtype, x_st,
+                            x_sg, spg_in, o_st, o_sg, spg_out, g_st, g_ss, s_scan, s_tile, s_x, s_o, s_g, e, pid_n))
+      continue;  // uniform: no such row tile
 
     const i64 n0 = pid_n * BN;
     const unsigned short* wb = reinterpret_cast<const unsigned short*>(w) + e * w_se;
