@@ -51,6 +51,24 @@ __device__ __forceinline__ float eva_bias(int mode, const float* bb, i64 b_sn, i
   return 0.f;
 }
 
+// Query row `row` = (b H + h) Nq + i of the one-row-at-a-time kernels: its batch, head, kv head,
+// index, position t = q_offset + i and first exact key st = start(t).
+struct EvaRow {
+  i64 b, h, hk, i, t, st;
+};
+
+__device__ __forceinline__ EvaRow eva_row(i64 row, i64 H, i64 G, i64 Nq, i64 q_offset, i64 C, i64 W, bool slid) {
+  EvaRow r;
+  const i64 bh = row / Nq;
+  r.i = row - bh * Nq;
+  r.b = bh / H;
+  r.h = bh - r.b * H;
+  r.hk = r.h / G;
+  r.t = q_offset + r.i;
+  r.st = eva_start(r.t, C, W, slid);
+  return r;
+}
+
 // ------------------------------------------------------------------ fp32 kernel
 // Keys j0 + u (u < U) with this lane's partial dot products x: the warp's sums (an xor butterfly,
 // which leaves bit-identical sums in every lane, so what follows is warp-uniform), base-2 logits
@@ -124,13 +142,8 @@ __global__ void __launch_bounds__(FS_EVA_THREADS) eva_attention_fwd_f32_kernel(F
   const bool slid = sliding != 0;
   const i64 rows = B * H * Nq;
   for (i64 row = (i64)blockIdx.x * FS_EVA_F32_ROWS + warp; row < rows; row += (i64)gridDim.x * FS_EVA_F32_ROWS) {
-    const i64 bh = row / Nq;
-    const i64 i = row - bh * Nq;
-    const i64 b = bh / H;
-    const i64 h = bh - b * H;
-    const i64 hk = h / G;
-    const i64 t = q_offset + i;
-    const i64 st = eva_start(t, C, W, slid);
+    const EvaRow rw = eva_row(row, H, G, Nq, q_offset, C, W, slid);
+    const i64 b = rw.b, h = rw.h, hk = rw.hk, i = rw.i, t = rw.t, st = rw.st;
     const i64 sc = imin(st / C, Nc);
     const i64 j_hi = imin(t + 1, Nk);
 
@@ -238,13 +251,8 @@ __global__ void __launch_bounds__(FS_EVA_DEC_WARPS * 32, EPL == 8 ? 2 : 3) eva_a
   const i64 rows = B * H * Nq;
   const unsigned short* q16 = reinterpret_cast<const unsigned short*>(q);
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const i64 bh = row / Nq;
-    const i64 i = row - bh * Nq;
-    const i64 b = bh / H;
-    const i64 h = bh - b * H;
-    const i64 hk = h / G;
-    const i64 t = q_offset + i;
-    const i64 st = eva_start(t, C, W, slid);
+    const EvaRow rw = eva_row(row, H, G, Nq, q_offset, C, W, slid);
+    const i64 b = rw.b, h = rw.h, hk = rw.hk, i = rw.i, t = rw.t, st = rw.st;
     const i64 n_sum = imin(st / C, Nc);             // summaries [0, n_sum)
     const i64 n_ex = imax(imin(t + 1, Nk) - st, 0);  // exact keys [st, st + n_ex)
     const i64 n_vis = n_sum + n_ex;
