@@ -147,6 +147,18 @@ __device__ __forceinline__ void em_find_tile(const i64* __restrict__ offsets, i6
   row_end = s_tile[2];
 }
 
+template <int MT, int NT>
+__device__ __forceinline__ void em_zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.f;
+    }
+  }
+}
+
 // The work of schedule slot `tile`: its column tile pid_n and row tile (expert e, sorted rows from
 // row0, ordered (group of GROUP_N column tiles, row tile, column tile in group)), and the per-pair facts
 // of the row tile in shared memory: x row offset, output row offset (-1 past the expert's rows) and
@@ -344,14 +356,7 @@ __global__ void __launch_bounds__(FS_EM_THREADS) expert_matmul_fwd_kernel(
     };
 
     float acc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.f;
-      }
-    }
+    em_zero(acc);
 
     const i64 nk = (d_in + BK - 1) / BK;
     if (nk > 0) {
@@ -529,14 +534,7 @@ __global__ void __launch_bounds__(FS_EM2_THREADS) expert_matmul_fwd_v2_kernel(
     };
 
     float acc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.f;
-      }
-    }
+    em_zero(acc);
 
     const i64 nk = (d_in + BK - 1) / BK;
 #pragma unroll
