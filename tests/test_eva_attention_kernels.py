@@ -74,7 +74,7 @@ def problems(draw, mode=None):
 
 # ---------------------------------------------------------------- kernels vs the oracle
 @with_fixture
-@given(case=problems(), scale=st.sampled_from([None, 0.3]))
+@given(case=problems(), scale=st.sampled_from([None, 0.3, -0.3, 0.0]))
 def test_kernel_matches_reference(backend, case, scale):
     p = random_problem(device=DEVICE, **case)
     _check(_run(backend, p, scale), p, scale)
@@ -91,12 +91,14 @@ def test_decode_matches_reference(backend, case, config):
 @pytest.mark.parametrize("window", ["block", "sliding"])
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("bias", [None, "log_count", "tensor"])
-def test_every_tile_kind(backend, window, pack, bias):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_every_tile_kind(backend, window, pack, bias, fuse):
     """16 x 16 tiles on a long problem: summary blocks with and without masks, exact blocks below
-    start(t_max), fully visible ones and the causal diagonal all occur; q_offset is not tile aligned."""
+    start(t_max), fully visible ones and the causal diagonal all occur; q_offset is not tile aligned.
+    FUSE (triton) walks the same blocks in one loop."""
     p = random_problem(1, 4, 2, 90, 203, 16, 4, 32, window=window, summary_bias=bias, q_offset=101,
                        device=DEVICE, seed=5)
-    _check(_run(backend, p, config=dict(SMALL, PACK_GQA=pack)), p)
+    _check(_run(backend, p, config=dict(SMALL, PACK_GQA=pack, FUSE=fuse)), p)
 
 
 @pytest.mark.parametrize("Nq", [1, 5, 16])

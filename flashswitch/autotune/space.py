@@ -122,26 +122,31 @@ def _eva_triton_space(f: dict) -> list[dict]:
     # key-range splits (0 = automatic). fp32 uses IEEE FMA dot products, which hold whole operand
     # rows in registers: only small tiles avoid spilling.
     # The 16-bit spaces keep the tiles that can win on Hopper (each config is a compile: ~1-2 s on
-    # the device's CPU), about 16 per prefill bucket and 8 compiles x 6 split counts per decode one.
+    # the device's CPU), about 16 per prefill bucket and 16 compiles x 6 split counts per decode one.
+    # FUSE (one loop over all key blocks instead of five) is tried where the loops are short: decode
+    # splits and windows of a few key blocks.
     fp32 = f["dtype"] == "fp32"
     big_d = f["D"] > 128
+    short = f.get("decode") or f.get("window") == "sliding" or f.get("W", 1 << 30) <= 512
+    fuses = (False, True) if short and not fp32 else (False,)
     out = []
     if f.get("decode"):
         bms = (16,) if fp32 else (16, 64)
         bns = (16, 32) if fp32 else ((32, 64) if big_d else (64, 128))
         warps = (4, 8) if fp32 else ((8,) if big_d else (4,))
-        for bm, bn, w, s, sp in itertools.product(bms, bns, warps, (2, 3), (0, 1, 2, 4, 8, 16)):
+        for bm, bn, w, s, fu, sp in itertools.product(bms, bns, warps, (2, 3), fuses, (0, 1, 2, 4, 8, 16)):
             if _eva_triton_fits(f, bm, bn, w, s):
-                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "NUM_SPLITS": sp})
+                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "NUM_SPLITS": sp,
+                            **({"FUSE": True} if fu else {})})
         return out
     if fp32:
-        grid = itertools.product((16, 32), (16, 32), (4, 8), (1, 2))
+        grid = itertools.product((16, 32), (16, 32), (4, 8), (1, 2), fuses)
     else:
         tiles = (32, 64) if big_d else (64, 128)
-        grid = itertools.product(tiles, tiles, (4, 8), (2, 3))
-    for bm, bn, w, s in grid:
+        grid = itertools.product(tiles, tiles, (4, 8), (2, 3), fuses)
+    for bm, bn, w, s, fu in grid:
         if _eva_triton_fits(f, bm, bn, w, s):
-            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s})
+            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, **({"FUSE": True} if fu else {})})
     return out
 
 

@@ -81,30 +81,88 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, s
                 k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
                 v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale      # [BM, BN], base-2 logits
-        if SUMMARY:
-            if BIAS_MODE == 1:
-                if MASK:
-                    bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=n < limit, other=0.0)
-                else:
-                    bias = tl.load(bias_base + n.to(tl.int64) * stride_bc)
-                s += bias.to(tl.float32)[None, :] * 1.4426950408889634
-            elif BIAS_MODE == 2:
-                count = tl.minimum(C, Nk - n * C).to(tl.float32)            # tokens of chunk n
-                s += tl.log2(tl.maximum(count, 1.0))[None, :]
-        if MASK:
-            vis = (n[None, :] >= lo_row[:, None]) & (n[None, :] <= hi_row[:, None])
-            s = tl.where(vis, s, float("-inf"))
-        if MASK or (SUMMARY and BIAS_MODE == 1):  # a row may have seen only -inf so far
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)               # raw q.k
+        if MASK or (SUMMARY and BIAS_MODE != 0):
+            s = s * qk_scale                                                # base-2 logits
+            if SUMMARY:
+                if BIAS_MODE == 1:
+                    if MASK:
+                        bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=n < limit, other=0.0)
+                    else:
+                        bias = tl.load(bias_base + n.to(tl.int64) * stride_bc)
+                    s += bias.to(tl.float32)[None, :] * 1.4426950408889634
+                elif BIAS_MODE == 2:
+                    count = tl.minimum(C, Nk - n * C).to(tl.float32)        # tokens of chunk n
+                    s += tl.log2(tl.maximum(count, 1.0))[None, :]
+            if MASK:
+                vis = (n[None, :] >= lo_row[:, None]) & (n[None, :] <= hi_row[:, None])
+                s = tl.where(vis, s, float("-inf"))
+            # a row may have seen only -inf so far
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # every logit finite: the scale folds into the max and into one FMA per logit (the
+            # launcher makes qk_scale >= 0 by negating q instead)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
             m_use = m_new
+            p = tl.exp2(s * qk_scale - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)       # accumulates in place
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, stride_kn, stride_vn, stride_ksn, stride_vsn,
+                  bias_base, stride_bc, blk_lo, blk_hi, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
+                  st_row, t_row, sc_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                  BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The same key blocks as the five `_attend` loops, in one loop (FUSE): summary blocks [0, nb_s),
+    then exact blocks; a block takes the mask only where some row of the tile does not see all of it.
+    One loop keeps one software pipeline full where the five would each be a few blocks long and
+    start cold (short sliding windows)."""
+    for e in range(blk_lo, blk_hi):
+        is_sum = e < nb_s
+        ee = e - nb_s
+        n0 = tl.where(is_sum, e * BLOCK_N, st_min + ee * BLOCK_N)
+        limit = tl.where(is_sum, c_hi, t_max + 1)
+        kb = tl.where(is_sum, ks_base, k_base)
+        vb = tl.where(is_sum, vs_base, v_base)
+        skn = tl.where(is_sum, stride_ksn, stride_kn)
+        svn = tl.where(is_sum, stride_vsn, stride_vn)
+        n = n0 + offs_n
+        k_ptrs = kb + n0.to(tl.int64) * skn + (offs_n[:, None] * skn + offs_d[None, :])
+        v_ptrs = vb + n0.to(tl.int64) * svn + (offs_n[:, None] * svn + offs_d[None, :])
+        if EVEN_D:
+            lmask = (n < limit)[:, None]
+        else:
+            lmask = (n < limit)[:, None] & mask_d[None, :]
+        k = tl.load(k_ptrs, mask=lmask, other=0.0)
+        v = tl.load(v_ptrs, mask=lmask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale     # base-2 logits
+        if BIAS_MODE == 1:
+            bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=is_sum & (n < limit), other=0.0)
+            s += bias.to(tl.float32)[None, :] * 1.4426950408889634
+        elif BIAS_MODE == 2:
+            count = tl.minimum(C, Nk - n * C).to(tl.float32)                # tokens of chunk n
+            s += tl.where(is_sum, tl.log2(tl.maximum(count, 1.0)), 0.0)[None, :]
+        full = tl.where(is_sum, e < nb_s_full, (ee >= e_a) & (ee < e_b))
+        if not full:
+            lo_row = tl.where(is_sum, 0, st_row)
+            hi_row = tl.where(is_sum, sc_row - 1, t_row)
+            vis = (n[None, :] >= lo_row[:, None]) & (n[None, :] <= hi_row[:, None])
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -123,7 +181,8 @@ def _eva_fwd(
     stride_ls, stride_lb, stride_lh, stride_lm,
     qk_scale,
     SLIDING: tl.constexpr, PACK_GQA: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, NEG_Q: tl.constexpr, FUSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = n_row_blocks - 1 - tl.program_id(0)     # the longest rows first
     pid_bh = tl.program_id(1)
@@ -177,6 +236,8 @@ def _eva_fwd(
     row_off_q = h_row.to(tl.int64) * stride_qh + i_row.to(tl.int64) * stride_qm
     q_ptrs = q_ptr + b * stride_qb + row_off_q[:, None] + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+    if NEG_Q:  # a negative scale: q -> -q (exact) and qk_scale = |scale| log2(e)
+        q = -q
 
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
     v_base = v_ptr + b * stride_vb + hkv * stride_vh
@@ -189,33 +250,40 @@ def _eva_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     zero_row = tl.zeros([BLOCK_M], dtype=tl.int32)
 
-    # summaries every row sees
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
-                            tl.maximum(blk_lo, 0), tl.minimum(nb_s_full, blk_hi), 0, c_hi,
-                            zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                            True, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
-    # summaries only some rows see
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
-                            tl.maximum(blk_lo, nb_s_full), tl.minimum(nb_s, blk_hi), 0, c_hi,
-                            zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                            True, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
-    # exact keys below start(t_max)
-    lo_e = blk_lo - nb_s
-    hi_e = blk_hi - nb_s
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-                            tl.maximum(lo_e, 0), tl.minimum(e_a, hi_e), st_min, t_max + 1,
-                            st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                            False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
-    # exact keys every row sees
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-                            tl.maximum(lo_e, e_a), tl.minimum(e_b, hi_e), st_min, t_max + 1,
-                            st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                            False, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
-    # exact keys past t_min (the causal diagonal)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-                            tl.maximum(lo_e, e_b), tl.minimum(nb_e, hi_e), st_min, t_max + 1,
-                            st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                            False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+    if FUSE:
+        acc, l_i, m_i = _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base,
+                                      stride_kn, stride_vn, stride_ksn, stride_vsn, bias_base, stride_bc,
+                                      blk_lo, blk_hi, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
+                                      st_row, t_row, sc_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                                      BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+    else:
+        # summaries every row sees
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
+                                tl.maximum(blk_lo, 0), tl.minimum(nb_s_full, blk_hi), 0, c_hi,
+                                zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                                True, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+        # summaries only some rows see
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
+                                tl.maximum(blk_lo, nb_s_full), tl.minimum(nb_s, blk_hi), 0, c_hi,
+                                zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                                True, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+        # exact keys below start(t_max)
+        lo_e = blk_lo - nb_s
+        hi_e = blk_hi - nb_s
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                                tl.maximum(lo_e, 0), tl.minimum(e_a, hi_e), st_min, t_max + 1,
+                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                                False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+        # exact keys every row sees
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                                tl.maximum(lo_e, e_a), tl.minimum(e_b, hi_e), st_min, t_max + 1,
+                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                                False, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+        # exact keys past t_min (the causal diagonal)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                                tl.maximum(lo_e, e_b), tl.minimum(nb_e, hi_e), st_min, t_max + 1,
+                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                                False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -333,6 +401,7 @@ def plan(q, k, k_sum, *, chunk_size, window_size, sliding, q_offset, config):
         n_blocks = _visible_blocks(t_last, chunk_size, window_size, sliding, Nc, block_n)
         splits = auto_splits(programs, n_blocks, _sm_count(q.device))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PACK_GQA=pack, NUM_SPLITS=splits,
+                FUSE=bool(cfg.get("FUSE", False)),
                 rows=rows, n_row_blocks=n_row_blocks, num_warps=int(cfg["num_warps"]),
                 num_stages=int(cfg["num_stages"]))
 
@@ -386,9 +455,9 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
         sb[0], sb[1], sb[2],
         so[0], so[1], so[2], so[3],
         sl[0], sl[1], sl[2], sl[3],
-        float(scale) * LOG2E,
+        abs(float(scale)) * LOG2E,
         SLIDING=bool(sliding), PACK_GQA=geo["PACK_GQA"], BIAS_MODE=bias_mode, EVEN_D=D == geo["BLOCK_D"],
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NEG_Q=float(scale) < 0, FUSE=geo["FUSE"],
         BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"], BLOCK_D=geo["BLOCK_D"],
         num_warps=geo["num_warps"], num_stages=geo["num_stages"],
     )
