@@ -450,3 +450,19 @@ def test_triton_rejects_bad_config(bad, match):
     p = random_problem(T=9, S=4, E=3, d_in=16, d_out=16, G_out=2, device=DEVICE, seed=1)
     with pytest.raises(ValueError, match=match):
         op.run_kernel("triton", {**_SMALL, "GROUP_N": 1, "INTERLEAVE": False, **bad}, **p)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_tall_row_tiles(interleave):
+    """256-row tiles (the Triton kernel's tallest, for few experts with many pairs): an expert that
+    fills several, one that ends inside its first, an empty one; slots reduced by atomics."""
+    if not backend_available("triton", torch.device(DEVICE)):
+        pytest.skip("triton is not available here")
+    counts = [600, 0, 100, 250]
+    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(1))]
+    p = random_problem(T=len(ids) // 2, S=2, E=len(counts), d_in=48, d_out=40, G_out=1, device=DEVICE, seed=21)
+    p["expert_idx"] = ids.reshape(-1, 2).to(DEVICE)
+    cfg = {"BLOCK_M": 256, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_N": 1, "INTERLEAVE": interleave,
+           "num_warps": 8, "num_stages": 2}
+    _check(_call("triton", p, cfg), p)

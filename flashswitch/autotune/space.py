@@ -226,7 +226,10 @@ def _em_triton_space(f: dict) -> list[dict]:
     fp32 = f["dtype"] == "fp32"
     bn_max = max(16, next_pow2(f["d_out"]))
     bk_max = max(16, next_pow2(f["d_in"]))
-    bms = (32, 64, 128) if ff["per_expert"] < 512 else (64, 128)
+    # 256-row tiles halve the weight tiles streamed per pair (the gathered rows and weight tiles come
+    # from L2, whose bandwidth bounds a few-expert shape like SwitchHead V); 8 warps hold them without
+    # spilling on sm_90 (ptxas: 255 registers, 16 bytes spilled)
+    bms = (32, 64, 128) if ff["per_expert"] < 512 else (64, 128) if ff["per_expert"] < 2048 else (64, 128, 256)
     bns = sorted({min(b, bn_max) for b in ((128, 256) if f["d_out"] >= 512 else (64, 128, 256))})
     bks = sorted({min(b, bk_max) for b in ((16, 32, 64) if fp32 else (64, 128))})
     out = []
