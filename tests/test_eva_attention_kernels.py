@@ -82,7 +82,7 @@ def test_kernel_matches_reference(backend, case, scale):
 
 @with_fixture
 @given(case=problems(mode="decode"), config=st.fixed_dictionaries(
-    {"NUM_SPLITS": st.sampled_from([0, 1, 2, 3, 7]), "PACK_GQA": st.booleans()}))
+    {"NUM_SPLITS": st.sampled_from([0, 1, 2, 3, 7]), "PACK_GQA": st.booleans(), "FUSE": st.booleans()}))
 def test_decode_matches_reference(backend, case, config):
     p = random_problem(device=DEVICE, **case)
     _check(_run(backend, p, config=dict(SMALL, **config)), p)
@@ -104,11 +104,12 @@ def test_every_tile_kind(backend, window, pack, bias, fuse):
 @pytest.mark.parametrize("Nq", [1, 5, 16])
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
 @pytest.mark.parametrize("pack", [False, True])
-def test_decode_splits(backend, Nq, splits, pack):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_decode_splits(backend, Nq, splits, pack, fuse):
     """The split key range (flash-decoding) with the combine pass, forced through explicit configs."""
     p = random_problem(2, 6, 2, Nq, 150, 32, 4, 16, window="sliding", summary_bias="tensor", device=DEVICE,
                        seed=Nq)
-    _check(_run(backend, p, config=dict(SMALL, NUM_SPLITS=splits, PACK_GQA=pack)), p)
+    _check(_run(backend, p, config=dict(SMALL, NUM_SPLITS=splits, PACK_GQA=pack, FUSE=fuse)), p)
 
 
 @pytest.mark.parametrize("splits", [2, 5])
