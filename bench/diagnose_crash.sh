@@ -14,7 +14,7 @@ echo "(no gdb here: native stack from bench/segv_trace.c)"
 so="${TMPDIR:-/tmp}/segv_trace.so"
 cc -shared -fPIC -O0 -o "$so" bench/segv_trace.c || exit 1
 log="${TMPDIR:-/tmp}/diagnose_crash.log"
-LD_PRELOAD="$so" "$PY" -m pytest -x -q -p no:cacheprovider -p no:faulthandler "$@" > "$log" 2>&1
+LD_PRELOAD="$so" "$PY" -m pytest -x -q -s -p no:cacheprovider -p no:faulthandler "$@" > "$log" 2>&1
 echo "rc=$?"
 grep -v "^@ " "$log" | tail -n 60
 if command -v addr2line >/dev/null; then  # the frames inside shared objects, as function (file:line)

@@ -297,8 +297,10 @@ def test_device_route_strided_input_and_errors():
 
 @pytest.mark.gpu
 def test_route_uses_the_device_op_without_sync(monkeypatch):
+    """By default (FLASHSWITCH_ROUTE unset) route() on CUDA is the extension's sort, with no host sync."""
     _route_op()
-    monkeypatch.setenv(op.ROUTE_ENV, "device")
+    monkeypatch.delenv(op.ROUTE_ENV, raising=False)
+    assert op._device_route_wanted()
     idx = torch.randint(0, 16, (1024, 8), device="cuda", dtype=torch.int64)
     route(idx, 16, check=False)  # load outside the checked region
     torch.cuda.synchronize()

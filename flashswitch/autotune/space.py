@@ -122,13 +122,12 @@ def _eva_triton_space(f: dict) -> list[dict]:
     # key-range splits (0 = automatic). fp32 uses IEEE FMA dot products, which hold whole operand
     # rows in registers: only small tiles avoid spilling.
     # The 16-bit spaces keep the tiles that can win on Hopper (each config is a compile: ~1-2 s on
-    # the device's CPU), about 16 per prefill bucket and 16 compiles x 6 split counts per decode one.
-    # FUSE (one loop over all key blocks instead of five) is tried where the loops are short: decode
-    # splits and windows of a few key blocks.
+    # the device's CPU), about 16-32 per prefill bucket and 16 compiles x 6 split counts per decode one.
+    # FUSE: one loop over all key blocks instead of five (one software pipeline kept full; masks
+    # decided per block at run time). It won the sliding W=256 bucket (H200 run 10).
     fp32 = f["dtype"] == "fp32"
     big_d = f["D"] > 128
-    short = f.get("decode") or f.get("window") == "sliding" or f.get("W", 1 << 30) <= 512
-    fuses = (False, True) if short and not fp32 else (False,)
+    fuses = (False,) if fp32 else (False, True)
     out = []
     if f.get("decode"):
         bms = (16,) if fp32 else (16, 64)

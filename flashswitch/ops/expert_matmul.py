@@ -113,14 +113,14 @@ def route(expert_idx: torch.Tensor, num_experts: int, *, check: bool = True) -> 
     return Route(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E)
 
 
-ROUTE_ENV = "FLASHSWITCH_ROUTE"  # "device": the extension's one-call sort; "torch" (default): torch ops
+ROUTE_ENV = "FLASHSWITCH_ROUTE"  # "device" (default): the extension's one-call sort; "torch": torch ops
 
 
 def _device_route_wanted() -> bool:
-    """FLASHSWITCH_ROUTE=device and the extension has the device routing op (kernels_cuda/route.cu):
-    one C++ call instead of ~8 torch launches, most of route()'s cost on a slow host. Opt-in until
-    it has run on a GPU (bench/NOTES.md); both give the same route."""
-    return os.environ.get(ROUTE_ENV, "torch") == "device" and _device_route_available()
+    """The extension has the device routing op (kernels_cuda/route.cu) and FLASHSWITCH_ROUTE is not
+    "torch": one C++ call instead of ~8 torch launches, most of route()'s cost on a slow host. Both
+    give the same route (bitwise, tests/test_expert_matmul_cuda.py, H200 run 10)."""
+    return os.environ.get(ROUTE_ENV, "device") != "torch" and _device_route_available()
 
 
 @functools.lru_cache(maxsize=None)
