@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,9 @@ DEFAULT_COPY_GBPS = 4300.0
 DEFAULT_MATMUL_TFLOPS = None
 PEDANTIC_ROUNDS = 20
 PEDANTIC_WARMUP = 3
+# each finished case is also appended to this file (one pytest-benchmark-shaped entry per line), so a
+# run cut short by a time limit keeps its cases: `flashswitch bench` sets it to <op>.cases.jsonl
+CASES_ENV = "FLASHSWITCH_BENCH_CASES"
 
 
 def gpu() -> bool:
@@ -56,6 +60,20 @@ def device_slug(name: str | None = None) -> str:
 
 def results_dir(name: str | None = None) -> Path:
     return RESULTS / device_slug(name)
+
+
+def log_case(info: dict, benchmark=None) -> None:
+    """Append one finished case (extra_info and the pedantic median in seconds) to $FLASHSWITCH_BENCH_CASES."""
+    path = os.environ.get(CASES_ENV)
+    if not path:
+        return
+    median = None
+    try:
+        median = float(benchmark.stats.stats.median)
+    except AttributeError:  # no statistics (an unsupported row)
+        pass
+    with open(path, "a") as f:
+        f.write(json.dumps({"extra_info": info, "stats": {"median": median}}) + "\n")
 
 
 def env_info() -> dict:
@@ -183,6 +201,7 @@ def time_case(benchmark, fn, *, spec: registry.OpSpec, problem: dict, backend: s
             "ms": ms, "bytes": cost.get("bytes"), "flops": cost.get("flops"), **spec.throughput(problem, ms),
             **rot, **env_info()}
     benchmark.extra_info.update(info)
+    log_case(info, benchmark)
     return info
 
 
@@ -194,6 +213,7 @@ def record_unsupported(benchmark, *, spec: registry.OpSpec, backend: str, shape:
     benchmark.pedantic(lambda: None, rounds=1, warmup_rounds=0, iterations=1)
     info = {**_case_info(spec, backend, shape, dtype, label), "ms": None, "unsupported": reason, **env_info()}
     benchmark.extra_info.update(info)
+    log_case(info)
     return info
 
 

@@ -16,6 +16,7 @@ writes, next to each JSON (what each op gets comes from its registry entry, `ben
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
 import sys
 from collections import OrderedDict
@@ -43,7 +44,12 @@ def op_settings(op: str) -> dict:
 
 def load_rows(path: Path) -> tuple[list[dict], dict]:
     """One row per benchmark that recorded a do_bench time; plus the file's header facts."""
-    data = json.loads(Path(path).read_text())
+    text = Path(path).read_text()
+    if Path(path).suffix == ".jsonl":  # the per-case log of a run cut short (bench/common.py, log_case)
+        data = {"benchmarks": [json.loads(line) for line in text.splitlines() if line.strip()],
+                "datetime": _dt.datetime.fromtimestamp(Path(path).stat().st_mtime, _dt.timezone.utc).isoformat()}
+    else:
+        data = json.loads(text)
     rows = []
     for b in data.get("benchmarks", []):
         ei = b.get("extra_info") or {}
@@ -53,7 +59,8 @@ def load_rows(path: Path) -> tuple[list[dict], dict]:
         if ei.get("ms") is None:
             continue
         stats = b.get("stats") or {}
-        rows.append({**ei, "pedantic_ms": stats.get("median", float("nan")) * 1e3})
+        median = stats.get("median")
+        rows.append({**ei, "pedantic_ms": float("nan") if median is None else median * 1e3})
     head = rows[0] if rows else {}
     meta = {k: head.get(k) for k in ("device", "capability", "torch", "triton", "cuda", "python")}
     meta["datetime"] = data.get("datetime")
@@ -321,6 +328,8 @@ def process(path: Path, ceilings_path: Path | None = None) -> list[Path]:
         print(f"{path}: no benchmark results with timings (was the suite skipped?)")
         return []
     ceilings = load_ceilings(ceilings_path.parent if ceilings_path else path.parent)
+    if path.suffix == ".jsonl":  # <op>.cases.jsonl: the tables and plots keep the op's own names
+        path = path.with_name(f"{op}.json")
     written = []
     md = path.with_suffix(".md")
     md.write_text(markdown(rows, meta, ceilings, op))
@@ -345,7 +354,8 @@ def process(path: Path, ceilings_path: Path | None = None) -> list[Path]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", nargs="+", type=Path, help="pytest-benchmark JSON file(s)")
+    p.add_argument("json", nargs="+", type=Path,
+                   help="pytest-benchmark JSON file(s), or <op>.cases.jsonl of a run cut short")
     p.add_argument("--ceilings", type=Path, help="ceilings.json (default: the one beside each JSON)")
     args = p.parse_args(argv)
     for path in args.json:

@@ -368,13 +368,18 @@ def cmd_bench(args) -> int:
             con.print(f"{file} missing: no benchmark for {spec.name}")
             continue
         js = out / f"{spec.name}.json"
+        cases = out / f"{spec.name}.cases.jsonl"  # every finished case, also when the run is cut short
+        cases.write_text("")
+        js.unlink(missing_ok=True)  # a table of an earlier run must not stand in for this one
         cmd = [sys.executable, "-m", "pytest", str(file), "-q", "-p", "no:cacheprovider",
                f"--benchmark-json={js}", *args.pytest_args]
         con.print("$ " + " ".join(cmd))
-        r = subprocess.call(cmd, cwd=str(bench.parent))
+        r = subprocess.call(cmd, cwd=str(bench.parent), env={**os.environ, "FLASHSWITCH_BENCH_CASES": str(cases)})
         rc |= r
         if js.exists() and js.stat().st_size:
             rc |= subprocess.call([sys.executable, str(bench / "plot.py"), str(js)])
+        elif cases.stat().st_size:
+            rc |= subprocess.call([sys.executable, str(bench / "plot.py"), str(cases)])
     return 1 if rc else 0
 
 

@@ -338,3 +338,29 @@ def test_plot_op3_bars_roof_and_unsupported(tmp_path):
     assert "speedup vs grouped_mm_pipeline" in md and "% of roof (dense_equal_macs)" in md
     assert "unsupported" in md and "80.0%" in md and "1.60x" in md
     assert md.index("TFLOP/s") < md.index("GB/s")  # the op's own unit first
+
+
+def test_plot_from_the_case_log_of_a_cut_run(tmp_path, monkeypatch):
+    """A run stopped by its time limit leaves <op>.cases.jsonl (bench/common.py appends each finished
+    case); plot.py makes the op's usual table and plot from it, with the unsupported rows."""
+    plot = pytest.importorskip("plot")
+    common = pytest.importorskip("common")
+    log = tmp_path / "expert_matmul.cases.jsonl"
+    monkeypatch.setenv(common.CASES_ENV, str(log))
+    shape = dict(R3.paper_shapes(16384)["switchhead262m_v"])
+    base = dict(op="expert_matmul", device="cpu", dtype="bf16", shape=shape, x="T", unit="TFLOP/s",
+                label="switchhead262m_v")
+
+    class _Bench:  # what log_case reads of pytest-benchmark's fixture after benchmark.pedantic
+        class stats:
+            class stats:
+                median = 2e-3
+
+    common.log_case({**base, "backend": "grouped_mm_pipeline", "ms": 2.0, "TFLOP/s": 250.0}, _Bench)
+    common.log_case({**base, "backend": "triton", "ms": 0.5, "TFLOP/s": 1000.0}, _Bench)
+    common.log_case({**base, "backend": "cuda", "ms": None, "unsupported": "not built"})
+    assert len(log.read_text().splitlines()) == 3
+    written = plot.process(log)
+    assert {w.name for w in written} == {"expert_matmul.md", "expert_matmul.png"}
+    md = (tmp_path / "expert_matmul.md").read_text()
+    assert "| 4.00x |" in md and "not built" in md and "2.0000" in md  # pedantic ms from the log
