@@ -217,19 +217,29 @@ def record_unsupported(benchmark, *, spec: registry.OpSpec, backend: str, shape:
     return info
 
 
-# one problem at a time is kept: the cases of one shape (all backends) share it
-_PROBLEM: dict = {"key": None, "problem": None}
+# one shape's problems at a time are kept: the cases of one shape (all backends) share them
+_PROBLEM: dict = {"key": None, "problems": []}
+
+
+def get_problems(spec: registry.OpSpec, shape: dict, dtype: str, seed: int = 0, count: int = 1) -> list[dict]:
+    """`count` random problems of a case on the GPU (seeds seed, seed + 1, ...): the first is the timed
+    one, the others the rotation sets; reused by consecutive cases of the same shape (building a
+    decode problem of several GB per backend would cost more than timing it)."""
+    key = (spec.name, json.dumps(shape, sort_keys=True), dtype, seed)
+    if _PROBLEM["key"] != key:
+        _PROBLEM.update(key=None, problems=[])
+        if gpu():
+            torch.cuda.empty_cache()
+        _PROBLEM["key"] = key
+    probs = _PROBLEM["problems"]
+    while len(probs) < count:
+        probs.append(spec.random_problem(**shape, dtype=dtype, device="cuda", seed=seed + len(probs)))
+    return probs[:count]
 
 
 def get_problem(spec: registry.OpSpec, shape: dict, dtype: str, seed: int = 0) -> dict:
     """The random problem of a case on the GPU, reused by consecutive cases of the same shape."""
-    key = (spec.name, json.dumps(shape, sort_keys=True), dtype, seed)
-    if _PROBLEM["key"] != key:
-        _PROBLEM.update(key=None, problem=None)
-        if gpu():
-            torch.cuda.empty_cache()
-        _PROBLEM.update(key=key, problem=spec.random_problem(**shape, dtype=dtype, device="cuda", seed=seed))
-    return _PROBLEM["problem"]
+    return get_problems(spec, shape, dtype, seed)[0]
 
 
 def bench_op(benchmark, op: str, shape: dict, backend: str, dtype: str = "bf16", seed: int = 0, *,
@@ -260,7 +270,7 @@ def bench_op(benchmark, op: str, shape: dict, backend: str, dtype: str = "bf16",
         build = builders[backend] if builders and backend in builders else (
             lambda prob: make_callable(spec, backend, prob))
         n = rotation_sets(spec.cost(problem).get("bytes") or 0)
-        rotate = [build(spec.random_problem(**shape, dtype=dtype, device="cuda", seed=seed + i)) for i in range(1, n)]
+        rotate = [build(p) for p in get_problems(spec, shape, dtype, seed, n)[1:]]
     return time_case(benchmark, fn, spec=spec, problem=problem, backend=backend, shape=shape, dtype=dtype,
                      label=label, rotate=rotate)
 
