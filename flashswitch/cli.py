@@ -434,9 +434,13 @@ def cmd_autotune(args) -> int:
         con.print("autotune times kernels on a CUDA GPU, and none is visible (torch.cuda.is_available() is "
                   "False). Run it on the GPU machine; without a tuned file the heuristic defaults are used.")
         return 2
+    from flashswitch.autotune import space
     from flashswitch.autotune.tune import tune
-    res = tune(ops=args.ops, backends=args.backends, dtypes=args.dtypes, budget_s=args.budget, out_dir=args.out,
-               seed=args.seed, progress=not args.no_progress, resume=args.resume)
+    shapes = None
+    if args.first is not None:  # the first N shapes of each op (issue shapes come first in TUNE_SHAPES)
+        shapes = {op: list(lst[:args.first]) for op, lst in space.TUNE_SHAPES.items()}
+    res = tune(ops=args.ops, backends=args.backends, shapes=shapes, dtypes=args.dtypes, budget_s=args.budget,
+               out_dir=args.out, seed=args.seed, progress=not args.no_progress, resume=args.resume)
     con.print(f"tuned {res['buckets']} of {res['planned']} buckets -> {res['path']}"
               + (f" (stopped: {res['stopped']})" if res["stopped"] else ""))
     return 0 if res["buckets"] else 1
@@ -485,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--budget", type=float, default=480.0, help="wall-clock seconds (default 480)")
     a.add_argument("--out", help="folder of <device>.json (default: the package's config folder)")
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--first", type=int, metavar="N",
+                   help="tune only the first N shapes of each op (autotune/space.py TUNE_SHAPES, issue shapes first)")
     a.add_argument("--resume", action="store_true",
                    help="skip buckets the file already holds complete (continue a run the budget cut short)")
     a.add_argument("--no-progress", action="store_true")

@@ -94,3 +94,21 @@ def test_autotune_refuses_without_gpu(capsys):
 @needs_cpu
 def test_bench_quick_refuses_without_gpu(capsys):
     assert cli.main(["bench", "--quick"]) == 2
+
+
+def test_autotune_first_n_shapes(monkeypatch):
+    """`autotune --first N` hands the tuner the first N shapes of each op (issue shapes first)."""
+    import torch
+    from flashswitch.autotune import space, tune as tune_mod
+    seen = {}
+
+    def fake_tune(**kw):
+        seen.update(kw)
+        return {"buckets": 1, "planned": 1, "path": "x.json", "stopped": None}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune_mod, "tune", fake_tune)
+    assert cli.main(["autotune", "--ops", "expert_matmul", "--first", "1", "--no-progress"]) == 0
+    assert seen["shapes"]["expert_matmul"] == space.TUNE_SHAPES["expert_matmul"][:1]
+    assert seen["ops"] == ["expert_matmul"]
+    assert cli.main(["autotune", "--no-progress"]) == 0 and seen["shapes"] is None
