@@ -53,6 +53,16 @@ def _start(t, C, W, SLIDING: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D: tl.constexpr):
+    """The k and v rows n < limit of a block (zeros elsewhere)."""
+    if EVEN_D:
+        lmask = (n < limit)[:, None]
+    else:
+        lmask = (n < limit)[:, None] & mask_d[None, :]
+    return tl.load(k_ptrs, mask=lmask, other=0.0), tl.load(v_ptrs, mask=lmask, other=0.0)
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
             e_lo, e_hi, origin, limit, lo_row, hi_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
             SUMMARY: tl.constexpr, MASK: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
@@ -67,12 +77,7 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, s
         k_ptrs = k_base + n0.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
         v_ptrs = v_base + n0.to(tl.int64) * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
         if MASK:
-            if EVEN_D:
-                lmask = (n < limit)[:, None]
-            else:
-                lmask = (n < limit)[:, None] & mask_d[None, :]
-            k = tl.load(k_ptrs, mask=lmask, other=0.0)
-            v = tl.load(v_ptrs, mask=lmask, other=0.0)
+            k, v = _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D)
         else:
             if EVEN_D:
                 k = tl.load(k_ptrs)
@@ -136,12 +141,7 @@ def _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, stride_kn,
         n = n0 + offs_n
         k_ptrs = kb + n0.to(tl.int64) * skn + (offs_n[:, None] * skn + offs_d[None, :])
         v_ptrs = vb + n0.to(tl.int64) * svn + (offs_n[:, None] * svn + offs_d[None, :])
-        if EVEN_D:
-            lmask = (n < limit)[:, None]
-        else:
-            lmask = (n < limit)[:, None] & mask_d[None, :]
-        k = tl.load(k_ptrs, mask=lmask, other=0.0)
-        v = tl.load(v_ptrs, mask=lmask, other=0.0)
+        k, v = _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale     # base-2 logits
         if BIAS_MODE == 1:
