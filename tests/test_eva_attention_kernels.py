@@ -112,6 +112,18 @@ def test_decode_splits(backend, Nq, splits, pack, fuse):
     _check(_run(backend, p, config=dict(SMALL, NUM_SPLITS=splits, PACK_GQA=pack, FUSE=fuse)), p)
 
 
+def test_register_cap_config(backend):
+    """Config maxnreg (a register cap per thread, a Triton launch option) gives the same answer; a
+    cap Triton cannot take is a ValueError naming the key."""
+    if backend != "triton":
+        pytest.skip("maxnreg is a triton launch option")
+    p = random_problem(1, 4, 2, None, 150, 64, 4, 32, summary_bias="log_count", dtype=torch.float16, device=DEVICE,
+                       seed=3)
+    _check(_run(backend, p, config=dict(SMALL, maxnreg=168)), p)
+    with pytest.raises(ValueError, match="maxnreg"):
+        _run(backend, p, config=dict(SMALL, maxnreg=100))
+
+
 @pytest.mark.parametrize("splits", [2, 5])
 def test_splits_agree_with_one_pass(backend, splits):
     """A split key range merged by lse equals the single pass (SPEC property 6, inside the kernel)."""

@@ -366,6 +366,18 @@ def auto_splits(programs: int, n_blocks: int, sms: int, max_splits: int = 128) -
     return 1
 
 
+def _register_cap(cfg: dict) -> dict:
+    """Launch options from config `maxnreg` (registers per thread: a lower cap lets more programs
+    share a multiprocessor); none when unset."""
+    cap = cfg.get("maxnreg")
+    if cap is None:
+        return {}
+    cap = int(cap)
+    if not 24 <= cap <= 255 or cap % 8:
+        raise ValueError(f"config maxnreg must be a multiple of 8 in [24, 255], got {cap}")
+    return {"maxnreg": cap}
+
+
 def _visible_blocks(t: int, C: int, W: int, sliding: bool, Nc: int, block_n: int) -> int:
     start = (max(t - W + 1, 0) // C) * C if sliding else (t // W) * W
     return -(-min(start // C, Nc) // block_n) + -(-(W + C) // block_n)
@@ -401,7 +413,7 @@ def plan(q, k, k_sum, *, chunk_size, window_size, sliding, q_offset, config):
         n_blocks = _visible_blocks(t_last, chunk_size, window_size, sliding, Nc, block_n)
         splits = auto_splits(programs, n_blocks, _sm_count(q.device))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PACK_GQA=pack, NUM_SPLITS=splits,
-                FUSE=bool(cfg.get("FUSE", False)),
+                FUSE=bool(cfg.get("FUSE", False)), launch=_register_cap(cfg),
                 rows=rows, n_row_blocks=n_row_blocks, num_warps=int(cfg["num_warps"]),
                 num_stages=int(cfg["num_stages"]))
 
@@ -459,7 +471,7 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
         SLIDING=bool(sliding), PACK_GQA=geo["PACK_GQA"], BIAS_MODE=bias_mode, EVEN_D=D == geo["BLOCK_D"],
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NEG_Q=float(scale) < 0, FUSE=geo["FUSE"],
         BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"], BLOCK_D=geo["BLOCK_D"],
-        num_warps=geo["num_warps"], num_stages=geo["num_stages"],
+        num_warps=geo["num_warps"], num_stages=geo["num_stages"], **geo["launch"],
     )
     if splits > 1:
         R = B * H * Nq
