@@ -426,7 +426,8 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
     last stride. bias: None or a [B, Hkv, Nc] tensor (any strides, read as fp32). log_count: use
     log n_c as the summary bias. Query i sits at position q_offset + i, with q_offset + Nq <= Nk.
     config: BLOCK_M, BLOCK_N, num_warps, num_stages, optional NUM_SPLITS (0: automatic; default 0
-    for Nq <= 16, else 1) and PACK_GQA (default: when H > Hkv).
+    for Nq <= 16, else 1), PACK_GQA (default: when H > Hkv), FUSE (one loop over all key blocks;
+    default off) and maxnreg (a register cap per thread; default none).
     """
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
