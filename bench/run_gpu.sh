@@ -4,7 +4,8 @@
 # plot. Results land in bench/results/<device>/ and the config folder; logs go to $OUT/logs and
 # everything is packed into $OUT/results.tgz (default OUT: ./gpu_out).
 #   STAGES=build,test,check,ceilings,autotune,bench OPS=chunk_summaries TESTS='tests/test_x.py ...' \
-#   TUNE_BUDGET=240 STAGE_LIMIT=1200 bench/run_gpu.sh   (STAGE_LIMIT: seconds per stage; BUILD_LIMIT: the build's)
+#   TUNE_BUDGET=240 STAGE_LIMIT=1200 bench/run_gpu.sh   (STAGE_LIMIT: seconds per stage, unless the stage's
+#   own BUILD_LIMIT / TEST_LIMIT (per file) / TUNE_LIMIT / BENCH_LIMIT (per op) is set; the build's defaults to 300)
 # Optional stage host (bench/host_time.py: host us per call vs kernel us; HOST_ARGS=--profile); BENCH_K
 # selects bench cases (pytest -k, e.g. BENCH_K='not cupy').
 set -uo pipefail
@@ -29,19 +30,21 @@ pack() { tar czf "$OUT/results.tgz" bench/results flashswitch/autotune/configs -
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOGS/nvidia-smi.log"
 # the build has its own limit (BUILD_LIMIT, default 300 s): a short STAGE_LIMIT must not cut it
 stage build && STAGE_LIMIT="${BUILD_LIMIT:-300}" run build $PY -m pip install --no-build-isolation --no-deps -v -e .
+limit() { echo "${1:-${STAGE_LIMIT:-1200}}"; }  # limit "$X_LIMIT": the stage's own limit or STAGE_LIMIT
 $PY -m flashswitch info > "$LOGS/info.log" 2>&1
 if stage test; then
   for f in ${TESTS:-tests/test_*.py}; do
-    run "$(basename "$f" .py)" $PY -m pytest "$f" -q -p no:cacheprovider -rfE --durations=5 ${PYTEST_ARGS:-}
+    STAGE_LIMIT=$(limit "${TEST_LIMIT:-}") run "$(basename "$f" .py)" \
+      $PY -m pytest "$f" -q -p no:cacheprovider -rfE --durations=5 ${PYTEST_ARGS:-}
   done
 fi
 stage check && run check $PY -m flashswitch check
 stage ceilings && run ceilings $PY bench/ceilings.py
 stage host && run host_time $PY bench/host_time.py --ops ${OPS//,/ } ${HOST_ARGS:-}
-stage autotune && run autotune $PY -m flashswitch autotune --ops ${OPS//,/ } --budget "${TUNE_BUDGET:-240}" --resume ${TUNE_ARGS:-}
+stage autotune && STAGE_LIMIT=$(limit "${TUNE_LIMIT:-}") run autotune $PY -m flashswitch autotune --ops ${OPS//,/ } --budget "${TUNE_BUDGET:-240}" --resume ${TUNE_ARGS:-}
 if stage bench; then
   for op in ${OPS//,/ }; do
-    run "bench_$op" $PY -m flashswitch bench --ops "$op" -- ${BENCH_K:+-k "$BENCH_K"}
+    STAGE_LIMIT=$(limit "${BENCH_LIMIT:-}") run "bench_$op" $PY -m flashswitch bench --ops "$op" -- ${BENCH_K:+-k "$BENCH_K"}
     for cases in bench/results/*/"$op".cases.jsonl; do  # cut short by its limit: tables from the finished cases
       js="${cases%.cases.jsonl}.json"
       if [ -s "$cases" ] && { [ ! -s "$js" ] || [ "$cases" -nt "$js" ]; }; then $PY bench/plot.py "$cases"; pack; fi
