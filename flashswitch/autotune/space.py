@@ -146,12 +146,15 @@ def _eva_triton_space(f: dict) -> list[dict]:
     for bm, bn, w, s, fu in grid:
         if _eva_triton_fits(f, bm, bn, w, s):
             out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, **({"FUSE": True} if fu else {})})
-    if not fp32 and f["D"] <= 64:
-        # Triton 3.6 gives the 64x64 tile 192 registers per thread at D = 64 (2 programs per SM); capped
-        # at 168 it compiles for sm_90 without spilling and 3 programs fit (57 KB of shared memory each),
-        # so one program's softmax can overlap another's MMAs. (At D = 128 a cap spills.)
-        out += [{**c, "maxnreg": 168} for c in out
-                if c["BLOCK_M"] == 64 and c["BLOCK_N"] == 64 and c["num_warps"] == 4 and c["num_stages"] == 3]
+    if not fp32 and f["D"] <= 128:
+        # Three programs per SM, so that one program's softmax can overlap another's MMAs: Triton 3.6
+        # gives the 64-row, 4-warp tile 192 registers per thread at D = 64 (64x64) and 228 at D = 128
+        # (64x32), 2 programs per SM; capped at 168 both compile for sm_90 without spilling (8 bytes at
+        # D = 128) and 3 fit in shared memory (57 / 64 KB each). Other tiles spill under the cap.
+        bn = 64 if f["D"] <= 64 else 32
+        base = [{"BLOCK_M": 64, "BLOCK_N": bn, "num_warps": 4, "num_stages": 3, **({"FUSE": True} if fu else {})}
+                for fu in fuses]
+        out += [{**c, "maxnreg": 168} for c in base]
     return out
 
 
