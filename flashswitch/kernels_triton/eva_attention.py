@@ -10,9 +10,10 @@ a union of two intervals, because start(t) is non-decreasing in t:
     exact keys j in [start(t_min), t_max]
 
 Both are walked in BLOCK_N steps, numbered as one list of key blocks (summary blocks first, then
-exact blocks counted from start(t_min)). Blocks that every row of the tile sees in full (summaries
-below start(t_min) / C, exact keys inside [start(t_max), t_min]) run without any mask; the few
-others compare positions per element. Fully invisible blocks are never visited, so the work is
+exact blocks counted from start(t_min)), in five loops by kind or, with config FUSE, in one loop
+(better when each kind is only a few blocks long: short sliding windows). Blocks that every row of
+the tile sees in full (summaries below start(t_min) / C, exact keys inside [start(t_max), t_min])
+run without any mask; the few others compare positions per element. Fully invisible blocks are never visited, so the work is
 proportional to the visible pairs, and nothing outside the two intervals is ever read (k/v past
 t_max and summaries past the last visible one may hold anything, e.g. unused cache capacity).
 
@@ -22,8 +23,10 @@ its log-normaliser (fp32) into scratch buffers; `_eva_combine` merges them by ls
 a row sees nothing writes o = 0, lse = -inf for that row.
 
 Softmax: fp32, base 2, with scale * log2(e) folded into the logits (and log2(e) into the summary
-bias); the per-row running max is clamped to 0 while it is still -inf so masked rows stay finite.
-lse is stored in natural log. fp32 inputs use IEEE dot products (no tf32).
+bias); on blocks with neither mask nor bias the scale goes into the row max and one FMA per logit
+(a negative scale negates q, which is exact, so the kernel's scale is >= 0). The per-row running
+max is clamped to 0 while it is still -inf so masked rows stay finite; p·v accumulates into the
+output tile in place. lse is stored in natural log. fp32 inputs use IEEE dot products (no tf32).
 """
 from __future__ import annotations
 
