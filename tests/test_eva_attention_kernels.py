@@ -179,7 +179,8 @@ def test_summary_count_differs_from_ceil(backend, Nc_delta):
 
 @pytest.mark.parametrize("window", ["block", "sliding"])
 @pytest.mark.parametrize("G,Nq", [(1, 1), (4, 1), (2, 3)])
-def test_never_reads_outside_the_visible_range(backend, window, G, Nq):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_never_reads_outside_the_visible_range(backend, window, G, Nq, fuse):
     """Decode from cache-like buffers: exact keys before start(first query) and after the last query,
     and summaries past the last visible one, hold NaN (unused capacity); the output stays exact."""
     C, W, Nk, cap = 4, 16, 77, 90
@@ -194,7 +195,7 @@ def test_never_reads_outside_the_visible_range(backend, window, G, Nq):
     for name in ("k_sum", "v_sum", "summary_bias"):
         p[name] = p[name].clone()
         p[name][:, :, n_sum:] = float("nan")
-    out = _run(backend, p, config=dict(SMALL, NUM_SPLITS=3))
+    out = _run(backend, p, config=dict(SMALL, NUM_SPLITS=3, FUSE=fuse))
     ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
     assert_close("o", out[0], ref_o, F32)
     assert_close("lse", out[1], ref_l, F32)
