@@ -7,6 +7,7 @@
 #include <execinfo.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -28,10 +29,16 @@ static void on_fault(int sig, siginfo_t* info, void* ctx) {
 }
 
 __attribute__((constructor)) static void install(void) {
+  // an alternate stack, so that a stack overflow (runaway recursion) still prints
+  stack_t alt;
+  alt.ss_size = 1 << 20;
+  alt.ss_sp = malloc(alt.ss_size);
+  alt.ss_flags = 0;
+  if (alt.ss_sp) sigaltstack(&alt, NULL);
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_sigaction = on_fault;
-  sa.sa_flags = SA_SIGINFO | SA_RESETHAND;
+  sa.sa_flags = SA_SIGINFO | SA_RESETHAND | SA_ONSTACK;
   sigaction(SIGSEGV, &sa, NULL);
   sigaction(SIGBUS, &sa, NULL);
   sigaction(SIGABRT, &sa, NULL);
