@@ -78,6 +78,11 @@ def cuda_extensions():
         sources=sources,
         include_dirs=[os.path.join(HERE, "flashswitch", "kernels_cuda")],
         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]},
+        # A toolchain that links libstdc++ statically (the H200 machine's /opt/gcc g++) would export
+        # the extension's private copy of it; with -Bsymbolic-functions its code then binds to its own
+        # functions but to the process's libstdc++ data (locale facet ids), and formatting an integer
+        # into a TORCH_CHECK message crashed. Hidden, the copy stays self-consistent.
+        extra_link_args=["-Wl,--exclude-libs,ALL"],
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

@@ -3,7 +3,7 @@ enqueue one call, measured without synchronizing (the GPU queue absorbs the kern
 kernel-only time of a CUDA-graph replay. When host time > kernel time, a per-call timing measures the
 host, not the kernel.
 
-    python bench/host_time.py [--ops chunk_summaries ...] [--calls 200] [--profile]
+    python bench/host_time.py [--ops chunk_summaries ...] [--backends triton ...] [--calls 200] [--profile]
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", nargs="+", default=list(SHAPES))
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--backends", nargs="+", default=["triton", "cuda", "cupy"])
     ap.add_argument("--profile", action="store_true", help="cProfile 50 calls of each shape and backend")
     args = ap.parse_args()
     for op in args.ops:
@@ -51,7 +52,7 @@ def main() -> None:
             shapes = list(paper_shapes(16384).values())[:4]
         for shape in shapes:
             problem = spec.random_problem(**shape, dtype="bf16", device="cuda", seed=0)
-            for backend in ("triton", "cuda", "cupy"):
+            for backend in args.backends:
                 if not backend_usable(backend):
                     continue
                 fn = make_callable(spec, backend, problem)

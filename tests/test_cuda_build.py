@@ -55,6 +55,22 @@ def test_extension_imports_and_registers():
         assert arg in schema, schema
 
 
+def test_extension_exports_no_private_libstdcxx():
+    """A toolchain that links libstdc++ statically must not leave its copy exported: half-bound to the
+    process's libstdc++ (data) and half to its own (code), an integer in a TORCH_CHECK message crashed
+    the process on the H200 machine (run 12, bench/crash_probe.py). setup.py hides static archives."""
+    need_extension()
+    import shutil
+    import subprocess
+    import flashswitch._C as ext
+    if shutil.which("nm") is None:
+        pytest.skip("needs nm (binutils)")
+    out = subprocess.run(["nm", "-D", "--defined-only", ext.__file__], capture_output=True, text=True, check=True)
+    private = re.compile(r"\s(_ZNSt6locale|_ZNSt8ios_base|_ZNSo9_M_insert|_ZNSt7num_put|__gxx_personality_v0)")
+    leaked = [ln.split()[-1] for ln in out.stdout.splitlines() if private.search(ln)]
+    assert not leaked, f"the extension exports libstdc++ internals: {leaked[:5]}"
+
+
 def test_loaders_never_raise():
     from flashswitch.bindings import cuda, cupy
     assert isinstance(cuda.available(), bool)
