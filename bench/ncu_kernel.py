@@ -1,0 +1,25 @@
+"""Run one tuning shape's kernel a few times, for a profiler to catch one launch:
+    ncu --clock-control none --section SpeedOfLight -k regex:_eva_fwd --launch-skip 2 --launch-count 1 \\
+        python3 bench/ncu_kernel.py eva_attention 0 [triton]
+(op, index into autotune/space.py TUNE_SHAPES, backend; the tuned or default config, bf16)."""
+import sys
+
+import torch
+
+from flashswitch import registry
+from flashswitch.autotune import space
+
+
+def main() -> None:
+    op, index = sys.argv[1], int(sys.argv[2])
+    backend = sys.argv[3] if len(sys.argv) > 3 else "triton"
+    spec = registry.get(op)
+    problem = spec.random_problem(**space.TUNE_SHAPES[op][index], dtype="bf16", device="cuda", seed=0)
+    fn = spec.kernel_callable(backend, None, problem)
+    for _ in range(4):
+        fn()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
