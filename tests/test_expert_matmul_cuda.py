@@ -225,8 +225,8 @@ def test_extension_rejects_bad_arguments():
         fwd(x3, p["weight"], p["gates"], rt.token, rt.slot, rt.offsets.int(), y, 2, 2, False, 0, 0, 0)
     with pytest.raises(RuntimeError, match="weight"):
         fwd(x3, p["weight"].bfloat16(), p["gates"], rt.token, rt.slot, rt.offsets, y, 2, 2, False, 0, 0, 0)
-    # (a fresh tensor: a wrong-shaped *view* as y crashed the process inside torch 2.11's dispatcher;
-    # see bench/NOTES.md, "open")
+    # (formatting the sizes in this message once crashed the process on a toolchain that links
+    # libstdc++ statically: bench/NOTES.md, op 3, "Fixed (run 14)")
     with pytest.raises(RuntimeError, match="y"):
         fwd(x3, p["weight"], p["gates"], rt.token, rt.slot, rt.offsets, y.new_empty(8, 1, 8), 2, 2, False, 0, 0, 0)
     with pytest.raises(RuntimeError, match="G_out"):
