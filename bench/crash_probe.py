@@ -56,13 +56,13 @@ def case_route_cpu():  # the dispatcher's error (no extension code runs)
     _expect_error(lambda: torch.ops.flashswitch_C.route_fwd(_route_args().cpu(), 5))
 
 
-def case_route_num_experts():  # first check passed, message with an int only
+def case_route_num_experts():  # an integer in the message: the run-10 crash (test line `fwd(idx, 0)`)
     import torch
     import flashswitch._C  # noqa: F401
     _expect_error(lambda: torch.ops.flashswitch_C.route_fwd(_route_args(), 0))
 
 
-def case_route_float():  # the run-10 crash, in a fresh process
+def case_route_float():  # a message of strings only (raised cleanly even before the fix)
     import torch
     import flashswitch._C  # noqa: F401
     _expect_error(lambda: torch.ops.flashswitch_C.route_fwd(_route_args().float(), 5))
@@ -77,12 +77,12 @@ def case_route_float_after_launch():
     _expect_error(lambda: torch.ops.flashswitch_C.route_fwd(idx.float(), 5))
 
 
-def case_route_float_twice():
+def case_route_float_twice():  # the num_experts error first, then the float one, in one process
     case_route_num_experts()
     case_route_float()
 
 
-def case_expert_y_shape():  # the run-8/9 crash
+def case_expert_y_shape():  # sizes in the message: the run-8/9 crash
     import torch
     import flashswitch._C  # noqa: F401
     from flashswitch.ops.expert_matmul import _torch_route
