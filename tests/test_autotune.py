@@ -249,6 +249,22 @@ def test_tune_resume_keeps_complete_buckets(tmp_path, monkeypatch):
     assert json.loads(first["path"].read_text())["ops"][FAKE] == first["data"]["ops"][FAKE]
 
 
+def test_tune_keeps_backends_it_did_not_sweep(tmp_path, monkeypatch):
+    """Re-tuning one backend of a bucket keeps the others' entries; "best" is chosen over all."""
+    _fake_modules(monkeypatch)
+    first = T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",
+                   time_fn=_timer(1.0), progress=False)
+    data = first["data"]
+    for rec in data["ops"][FAKE].values():
+        rec["backends"]["cuda"] = {"config": {"threads": 64}, "ms": 0.05}
+    store.save(data, first["path"])
+    again = T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",
+                   time_fn=_timer(1.0), progress=False)
+    for rec in again["data"]["ops"][FAKE].values():
+        assert rec["backends"]["cuda"] == {"config": {"threads": 64}, "ms": 0.05}
+        assert rec["backends"]["triton"]["ms"] == 0.1 and rec["best"] == "cuda"
+
+
 def test_tune_skips_bucket_without_a_valid_kernel(tmp_path, monkeypatch):
     _fake_modules(monkeypatch, wrong=(1, 2, 3, 4))
     res = T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",

@@ -173,3 +173,15 @@ def test_differentiable():
         return k_sum, v_sum, lse[:, :, :2]  # lse of the empty chunk is the constant -inf
 
     assert torch.autograd.gradcheck(f, args)
+
+
+def test_assert_close_ignores_a_nan_baseline():
+    """A baseline that is itself NaN (e.g. a masked-out NaN key times 0) must not open the bound."""
+    ref = torch.randn(64, dtype=torch.float64)
+    bad = ref.to(torch.float16).clone()
+    bad[3] = float("nan")
+    assert_close("ok", ref.to(torch.float16), ref, torch.float16, baseline=bad)
+    with pytest.raises(AssertionError):
+        assert_close("out", bad, ref, torch.float16, baseline=bad)
+    with pytest.raises(AssertionError):
+        assert_close("out", ref.to(torch.float16) + 1.0, ref, torch.float16, baseline=bad)

@@ -201,6 +201,45 @@ def test_never_reads_outside_the_visible_range(backend, window, G, Nq, fuse):
     assert_close("lse", out[1], ref_l, F32)
 
 
+@pytest.mark.parametrize("window", ["block", "sliding"])
+@pytest.mark.parametrize("pack,Nq", [(False, None), (True, None), (False, 3)])
+@pytest.mark.parametrize("bias", [None, "tensor"])
+def test_tma_descriptors(backend, window, pack, Nq, bias, monkeypatch):
+    """Config TMA (k, v and summaries through descriptors of their [B*Hkv*N, D] views): every tile
+    kind, GQA packing, decode splits; the rows a masked block reads past its limit belong to the
+    next head or hold NaN (unused cache capacity) and must not reach the output. A strided k makes
+    the launcher fall back to pointers."""
+    if backend != "triton":
+        pytest.skip("TMA is a triton config")
+    from flashswitch.kernels_triton import eva_attention as kt
+    used = []
+    real = kt._tma_operands
+    monkeypatch.setattr(kt, "_tma_operands", lambda *a: used.append(real(*a)) or used[-1])
+    dtype = torch.float16 if not GPU else torch.bfloat16
+    C, W, Nk, cap = 4, 32, 203, 224
+    q_offset = Nk - (Nq or 90)
+    p = random_problem(2, 4, 2, Nq or 90, cap, 16, C, W, window=window, summary_bias=bias, q_offset=q_offset,
+                       dtype=dtype, device=DEVICE, seed=11)
+    n_sum = start_position(Nk - 1, chunk_size=C, window_size=W, window=window) // C
+    for name in ("k", "v"):
+        p[name] = p[name].clone()
+        p[name][:, :, Nk:] = float("nan")
+    for name in ("k_sum", "v_sum"):
+        p[name] = p[name].clone()
+        p[name][:, :, n_sum:] = float("nan")
+    cfg = dict(SMALL, TMA=True, PACK_GQA=pack, NUM_SPLITS=3 if Nq else 1)
+    out = _run(backend, p, config=cfg)
+    assert used and used[-1] is not None
+    ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
+    base_o, base_l = torch_eva_attention(**p, return_lse=True)
+    assert_close("o", out[0], ref_o, dtype, baseline=base_o)
+    assert_close("lse", out[1], ref_l, F32, baseline=base_l)
+    p["k"] = p["k"].transpose(1, 2).contiguous().transpose(1, 2)  # same values, stored [B, N, Hkv, D]
+    out = _run(backend, p, config=cfg)
+    assert used[-1] is None
+    assert_close("o", out[0], ref_o, dtype, baseline=base_o)
+
+
 def test_explicit_configs_from_the_space(backend):
     """Configs of the tuning space (a spread of them on the CPU, all on a GPU) give correct answers."""
     if backend != "triton":

@@ -258,10 +258,14 @@ def _route_op():
     (300, 8, 16, 0, 16, torch.int64), (16384, 8, 512, 0, 512, torch.int32), (4096, 2, 70000, 0, 70000, torch.int64),
     (500, 3, 5, -3, 9, torch.int32), (500, 3, 5, -(2 ** 40), 2 ** 40, torch.int64),   # out of range: dropped
     (2000, 4, 8, 2, 3, torch.int64),                                                   # one hot expert, others empty
+    # the counting sort (E + 2 <= 64 keys, P <= 2^20) at SwitchHead size, at its limits, and just past them
+    (16384, 8, 16, 0, 16, torch.int32), (16384, 8, 62, -1, 63, torch.int64), (16384, 8, 63, 0, 63, torch.int32),
+    (131072, 8, 10, 0, 10, torch.int64), (131073, 8, 10, 0, 10, torch.int32), (2049, 1, 3, 0, 3, torch.int32),
 ])
 def test_device_route_matches_torch_route(T, S, E, lo, hi, dtype):
-    """route_fwd (one C++ call: keys, cub radix sort, finish) gives exactly the torch route: the same
-    stable order, offsets, and out-of-range ids outside every expert's range."""
+    """route_fwd (one C++ call: a counting sort for few experts, else keys, cub radix sort, finish)
+    gives exactly the torch route: the same stable order, offsets, and out-of-range ids outside every
+    expert's range."""
     fwd = _route_op()
     g = torch.Generator(device="cuda").manual_seed(T + S + E)
     idx = torch.randint(lo, hi, (T, S), generator=g, device="cuda", dtype=torch.int64).to(dtype)

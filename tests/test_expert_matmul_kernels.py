@@ -30,6 +30,9 @@ CONFIGS = {
     "interleaved": {**_SMALL, "GROUP_N": 1, "INTERLEAVE": True},
     "expert-major": {**_SMALL, "GROUP_N": 2, "INTERLEAVE": False},
     "ordered-sum": {**_SMALL, "GROUP_N": 2, "INTERLEAVE": False, "REDUCE": "ordered"},
+    # partials rounded to y's dtype: atomics straight into y, a half-size ordered scratch
+    "out-atomic": {**_SMALL, "GROUP_N": 1, "INTERLEAVE": True, "PARTIALS": "out"},
+    "out-ordered": {**_SMALL, "GROUP_N": 2, "INTERLEAVE": False, "REDUCE": "ordered", "PARTIALS": "out"},
     # the CUDA backend's variant 2 (where d_in, d_out are multiples of 8; the other backends ignore it)
     "cuda-v2": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, GROUP_N=1, INTERLEAVE=False,
                     variant=2),
@@ -441,7 +444,20 @@ def test_deterministic_is_bitwise_reproducible(backend, G_out):
     _check(runs[0], p)
 
 
+@pytest.mark.gpu
+def test_out_partials_two_slots_per_group_are_reproducible():
+    """PARTIALS "out" with two slots per output group: 0 + a is exact and a + b one rounding in
+    either order, so the bf16 atomics give the same bits on every run."""
+    p = random_problem(T=4096, S=8, E=16, d_in=128, d_out=112, G_out=4, dtype=torch.bfloat16, device="cuda", seed=3)
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_N": 1, "INTERLEAVE": True, "num_warps": 8,
+           "num_stages": 3, "PARTIALS": "out"}
+    runs = [op.run_kernel("triton", cfg, **p) for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    _check(runs[0], p)
+
+
 @pytest.mark.parametrize("bad,match", [({"REDUCE": "sum"}, "REDUCE must be one of"),
+                                       ({"PARTIALS": "bf16"}, "PARTIALS must be one of"),
                                        ({"BLOCK_M": 48}, "BLOCK_M must be a power of two")])
 def test_triton_rejects_bad_config(bad, match):
     """A config from a hand-edited file or a caller names the knob it got wrong."""

@@ -108,13 +108,13 @@ def _cs_cuda_default(f: dict) -> dict:
 
 
 # ---------------------------------------------------------------- op 2: eva_attention
-def _eva_triton_fits(f: dict, bm: int, bn: int, w: int, stages: int) -> bool:
-    """Shared memory (q tile + `stages` k/v tiles) within ~200 KB and a register budget of about
+def _eva_triton_fits(f: dict, bm: int, bn: int, w: int, stages: int, smem_kb: int = 200) -> bool:
+    """Shared memory (q tile + `stages` k/v tiles) within `smem_kb` and a register budget of about
     64 fp32 accumulator values per thread."""
     bd = max(16, next_pow2(f["D"]))
     elt = 4 if f["dtype"] == "fp32" else 2
     smem = (bm * bd + stages * 2 * bn * bd) * elt
-    return smem <= 200 * 1024 and bm * bd <= 2048 * w and bm * bn <= 4096 * w
+    return smem <= smem_kb * 1024 and bm * bd <= 2048 * w and bm * bn <= 4096 * w
 
 
 def _eva_triton_space(f: dict) -> list[dict]:
@@ -155,6 +155,14 @@ def _eva_triton_space(f: dict) -> list[dict]:
         base = [{"BLOCK_M": 64, "BLOCK_N": bn, "num_warps": 4, "num_stages": 3, **({"FUSE": True} if fu else {})}
                 for fu in fuses]
         out += [{**c, "maxnreg": 168} for c in base]
+    if not fp32 and f["D"] <= 128 and f.get("window") == "block":
+        # k/v/summary tiles by TMA (descriptors, no address registers): 64 x 64 and 128 x 128 tiles won
+        # on block D = 128 (H200 run 17); 4 stages at D = 64; up to the 227 KB of shared memory.
+        # First in the list, so that a tuning budget cut short has timed them.
+        tma = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 8 if bm == 128 else 4, "num_stages": s, "TMA": True}
+               for bm, bn, s in itertools.product((64, 128), (64, 128), (2, 3, 4))
+               if _eva_triton_fits(f, bm, bn, 8 if bm == 128 else 4, s, smem_kb=224)]
+        out = tma + out
     return out
 
 
@@ -263,6 +271,14 @@ def _em_triton_space(f: dict) -> list[dict]:
                 **c, "GROUP_N": -(-f["d_out"] // c["BLOCK_N"]), "INTERLEAVE": _em_interleave(f, c["BLOCK_M"]),
                 "REDUCE": "ordered"})
         out += list(ordered.values())
+        # partials in the output dtype (PARTIALS "out": one rounding per pair before the slot sum, as
+        # torch's grouped_mm pipeline): a half-size ordered scratch, or with at most two slots per
+        # group 16-bit atomics straight into y (the launcher sums more in order); on each tile shape's
+        # ordered sweep and heuristic schedule
+        two = f["S"] // f["G_out"] <= 2
+        out += [{**c, "PARTIALS": "out"} for c in out
+                if c.get("REDUCE") == "ordered" or (two and c["INTERLEAVE"] == _em_interleave(f, c["BLOCK_M"]) and
+                                                    c["GROUP_N"] == _em_group_n(f, c["BLOCK_N"], c["INTERLEAVE"]))]
     return out
 
 

@@ -300,6 +300,7 @@ def tune(ops: Optional[Sequence[str]] = None, backends: Optional[Sequence[str]] 
             if record is None:
                 say(f"[skip] {label}: no backend produced a verified result")
                 continue
+            _keep_unswept(record, old)
             data["ops"].setdefault(spec.name, {})[store.bucket_key(record["features"])] = record
             tuned += 1
             _save(data, header, budget_s, path)
@@ -319,6 +320,17 @@ def tune(ops: Optional[Sequence[str]] = None, backends: Optional[Sequence[str]] 
     if tuned:
         _save(data, header, budget_s, path)
     return {"path": path, "data": data, "buckets": tuned, "planned": len(plan), "stopped": stopped}
+
+
+def _keep_unswept(record: dict, old: Optional[dict]) -> None:
+    """Backends this run did not sweep (e.g. `--backends triton`) keep their entries from the file;
+    "best" is then chosen over all of them."""
+    if not old or not isinstance(old.get("backends"), dict):
+        return
+    kept = {b: e for b, e in old["backends"].items() if b not in record["backends"]}
+    if kept:
+        record["backends"].update(kept)
+        record["best"] = choose_best({b: e["ms"] for b, e in record["backends"].items()})
 
 
 def _save(data: dict, header: dict, budget_s: float, path: Path) -> None:

@@ -14,8 +14,9 @@
 extern "C" {
 #endif
 
-// Bytes of device workspace fs_route needs for P pairs and E experts (sort keys and values, twice,
-// plus the radix sort's own temporary storage). P < 2^31 - 1, 1 <= E < 2^31 - 1.
+// Bytes of device workspace fs_route needs for P pairs and E experts (few experts: per-tile key
+// counts; else sort keys and values, twice, plus the radix sort's own temporary storage).
+// P < 2^31 - 1, 1 <= E < 2^31 - 1.
 cudaError_t fs_route_workspace_bytes(long long P, long long E, size_t* bytes);
 
 // ids: [P] contiguous, int32 (ids_64 = 0) or int64 (ids_64 = 1); pair p = t * S + s has id ids[p].

@@ -39,6 +39,11 @@ import triton.language as tl
 from flashswitch._common import new_output
 from flashswitch.autotune import space
 
+try:  # Triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
@@ -67,21 +72,30 @@ def _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D: tl.constexpr):
 
 @triton.jit
 def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-            e_lo, e_hi, origin, limit, lo_row, hi_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+            e_lo, e_hi, origin, limit, lo_row, hi_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, row0,
             SUMMARY: tl.constexpr, MASK: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
-            DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+            DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     """Fold key blocks e in [e_lo, e_hi) (positions origin + e * BLOCK_N + [0, BLOCK_N)) into the
     running softmax. MASK: row r sees position n iff lo_row[r] <= n <= hi_row[r], and only positions
     below `limit` are read; without MASK every row sees the whole block. A caller tensor bias may be
-    -inf (a summary switched off)."""
+    -inf (a summary switched off). TMA: k_base / v_base are tensor descriptors of [rows, D] views
+    whose row row0 + n is position n of this (batch, kv head); a masked block's rows at or past
+    `limit` may then hold anything (another head's rows, unused cache) and v is zeroed there."""
     for e in range(e_lo, e_hi):
         n0 = origin + e * BLOCK_N
         n = n0 + offs_n
-        k_ptrs = k_base + n0.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
-        v_ptrs = v_base + n0.to(tl.int64) * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
-        if MASK:
+        if TMA:
+            k = k_base.load([row0 + n0, 0])
+            v = v_base.load([row0 + n0, 0])
+            if MASK:
+                v = tl.where((n < limit)[:, None], v, 0.0)
+        elif MASK:
+            k_ptrs = k_base + n0.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
+            v_ptrs = v_base + n0.to(tl.int64) * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
             k, v = _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D)
         else:
+            k_ptrs = k_base + n0.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
+            v_ptrs = v_base + n0.to(tl.int64) * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
             if EVEN_D:
                 k = tl.load(k_ptrs)
                 v = tl.load(v_ptrs)
@@ -184,7 +198,7 @@ def _eva_fwd(
     stride_ls, stride_lb, stride_lh, stride_lm,
     qk_scale,
     SLIDING: tl.constexpr, PACK_GQA: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PREC: tl.constexpr, NEG_Q: tl.constexpr, FUSE: tl.constexpr,
+    DOT_PREC: tl.constexpr, NEG_Q: tl.constexpr, FUSE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = n_row_blocks - 1 - tl.program_id(0)     # the longest rows first
@@ -242,10 +256,20 @@ def _eva_fwd(
     if NEG_Q:  # a negative scale: q -> -q (exact) and qk_scale = |scale| log2(e)
         q = -q
 
-    k_base = k_ptr + b * stride_kb + hkv * stride_kh
-    v_base = v_ptr + b * stride_vb + hkv * stride_vh
-    ks_base = ks_ptr + b * stride_ksb + hkv * stride_ksh
-    vs_base = vs_ptr + b * stride_vsb + hkv * stride_vsh
+    if TMA:  # descriptors of the [B * Hkv * N, D] views (32-bit rows: the launcher checked the size)
+        k_base = k_ptr
+        v_base = v_ptr
+        ks_base = ks_ptr
+        vs_base = vs_ptr
+        kv_row0 = (b * Hkv + hkv).to(tl.int32) * Nk
+        sum_row0 = (b * Hkv + hkv).to(tl.int32) * Nc
+    else:
+        k_base = k_ptr + b * stride_kb + hkv * stride_kh
+        v_base = v_ptr + b * stride_vb + hkv * stride_vh
+        ks_base = ks_ptr + b * stride_ksb + hkv * stride_ksh
+        vs_base = vs_ptr + b * stride_vsb + hkv * stride_vsh
+        kv_row0 = 0
+        sum_row0 = 0
     bias_base = bias_ptr + b * stride_bb + hkv * stride_bh
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -263,30 +287,30 @@ def _eva_fwd(
         # summaries every row sees
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
                                 tl.maximum(blk_lo, 0), tl.minimum(nb_s_full, blk_hi), 0, c_hi,
-                                zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                                True, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+                                zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d, sum_row0,
+                                True, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA)
         # summaries only some rows see
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
                                 tl.maximum(blk_lo, nb_s_full), tl.minimum(nb_s, blk_hi), 0, c_hi,
-                                zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                                True, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+                                zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d, sum_row0,
+                                True, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA)
         # exact keys below start(t_max)
         lo_e = blk_lo - nb_s
         hi_e = blk_hi - nb_s
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
                                 tl.maximum(lo_e, 0), tl.minimum(e_a, hi_e), st_min, t_max + 1,
-                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                                False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, kv_row0,
+                                False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA)
         # exact keys every row sees
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
                                 tl.maximum(lo_e, e_a), tl.minimum(e_b, hi_e), st_min, t_max + 1,
-                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                                False, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, kv_row0,
+                                False, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA)
         # exact keys past t_min (the causal diagonal)
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
                                 tl.maximum(lo_e, e_b), tl.minimum(nb_e, hi_e), st_min, t_max + 1,
-                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                                False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, kv_row0,
+                                False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -416,9 +440,29 @@ def plan(q, k, k_sum, *, chunk_size, window_size, sliding, q_offset, config):
         n_blocks = _visible_blocks(t_last, chunk_size, window_size, sliding, Nc, block_n)
         splits = auto_splits(programs, n_blocks, _sm_count(q.device))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PACK_GQA=pack, NUM_SPLITS=splits,
-                FUSE=bool(cfg.get("FUSE", False)), launch=_register_cap(cfg),
+                FUSE=bool(cfg.get("FUSE", False)), TMA=bool(cfg.get("TMA", False)), launch=_register_cap(cfg),
                 rows=rows, n_row_blocks=n_row_blocks, num_warps=int(cfg["num_warps"]),
                 num_stages=int(cfg["num_stages"]))
+
+
+def _row_descriptor(t: torch.Tensor, block_n: int, block_d: int):
+    """A TMA descriptor of t [B, H, N, D] seen as [B*H*N, D] rows, in [block_n, block_d] blocks; None
+    where TMA cannot read it that way (not contiguous, D != block_d, fewer than 16 bytes per row,
+    2^31 rows or more, empty)."""
+    B, H, N, D = t.shape
+    if (TensorDescriptor is None or t.numel() == 0 or not t.is_contiguous() or D != block_d
+            or (D * t.element_size()) % 16 or t.data_ptr() % 16 or B * H * N >= 2 ** 31):
+        return None
+    return TensorDescriptor.from_tensor(t.view(B * H * N, D), [block_n, block_d])
+
+
+def _tma_operands(geo: dict, q, k, v, k_sum, v_sum):
+    """(k, v, k_sum, v_sum) as TMA descriptors for config TMA (fp16/bf16, the five-loop walk), or None
+    when any of them cannot be one: the kernel then reads through pointers."""
+    if not geo["TMA"] or geo["FUSE"] or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    descs = [_row_descriptor(t, geo["BLOCK_N"], geo["BLOCK_D"]) for t in (k, v, k_sum, v_sum)]
+    return None if any(d is None for d in descs) else descs
 
 
 def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sliding, scale, q_offset,
@@ -430,7 +474,9 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
     log n_c as the summary bias. Query i sits at position q_offset + i, with q_offset + Nq <= Nk.
     config: BLOCK_M, BLOCK_N, num_warps, num_stages, optional NUM_SPLITS (0: automatic; default 0
     for Nq <= 16, else 1), PACK_GQA (default: when H > Hkv), FUSE (one loop over all key blocks;
-    default off) and maxnreg (a register cap per thread; default none).
+    default off), TMA (k, v and the summaries read by the tensor memory accelerator through
+    descriptors of their [B*Hkv*N, D] views; fp16/bf16, contiguous, D a power of two, not with FUSE;
+    otherwise ignored) and maxnreg (a register cap per thread; default none).
     """
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
@@ -459,9 +505,11 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
         so = (0,) + o.stride()[:3]
         sl = (0,) + lse.stride()
 
+    descs = _tma_operands(geo, q, k, v, k_sum, v_sum)
+    kv = descs if descs is not None else (k, v, k_sum, v_sum)
     grid = (geo["n_row_blocks"], B * (Hkv if geo["PACK_GQA"] else H), splits)
     _eva_fwd[grid](
-        q, k, v, k_sum, v_sum, bias_t, o_dst, l_dst,
+        q, *kv, bias_t, o_dst, l_dst,
         H, Hkv, G, Nq, Nk, Nc, D, C, W, q_offset, geo["rows"], geo["n_row_blocks"], splits,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -474,6 +522,7 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
         abs(float(scale)) * LOG2E,
         SLIDING=bool(sliding), PACK_GQA=geo["PACK_GQA"], BIAS_MODE=bias_mode, EVEN_D=D == geo["BLOCK_D"],
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NEG_Q=float(scale) < 0, FUSE=geo["FUSE"],
+        TMA=descs is not None,
         BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"], BLOCK_D=geo["BLOCK_D"],
         num_warps=geo["num_warps"], num_stages=geo["num_stages"], **geo["launch"],
     )

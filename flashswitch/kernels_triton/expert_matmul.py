@@ -18,7 +18,12 @@ accumulation (ieee for fp32 inputs), scale each row by its gate, then
   kernel sums each group's slots in slot order.
 
 Without `deterministic`, config `REDUCE` picks between the two for G_out < S: "atomic" (default) or
-"ordered" (the deterministic path). The ordered path writes and reads back S·d_out fp32 values per
+"ordered" (the deterministic path). Config `PARTIALS` = "out" (not with `deterministic`) rounds each
+pair's gated product to y's dtype before the slot sum, as torch's grouped_mm pipeline does: the
+ordered scratch then holds half the bytes, and with at most two slots per output group the atomics
+add straight into a zeroed y (no fp32 accumulator, no cast pass). Two addends keep the fp32 sum's
+result: 0 + a is exact and a + b is one rounding of the exact sum in either order, so it is also
+order-independent; with more addends every add would round, so those groups take the ordered sum. The ordered path writes and reads back S·d_out fp32 values per
 token (S / G_out times the accumulator: for SwitchHead O and σ-MoE down 8x, ~1 GB per 16k-token
 step), while the atomics land in an accumulator S / G_out times smaller that the tile schedule
 below keeps mostly in L2, but contend when S / G_out pairs of one row are added at once; which is
@@ -168,7 +173,7 @@ def _expert_matmul_fwd(
     o_ptrs = out_ptr + (tok * stride_ot + (slt // spg_out).to(tl.int64) * stride_og)[:, None] + offs_n[None, :]
     omask = rmask[:, None] & nmask[None, :]
     if ATOMIC:
-        tl.atomic_add(o_ptrs, acc, mask=omask, sem="relaxed")
+        tl.atomic_add(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask, sem="relaxed")
     else:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
@@ -191,6 +196,7 @@ def _group_sum(src_ptr, y_ptr, R, d_out, spg, BLOCK_R: tl.constexpr, BLOCK_N: tl
 
 _KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_N", "INTERLEAVE", "num_warps", "num_stages")
 REDUCE_MODES = ("atomic", "ordered")
+PARTIALS_MODES = ("fp32", "out")
 
 
 def _pow2(name: str, v, lo: int = 16) -> int:
@@ -229,7 +235,9 @@ def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
     x3: [T, G_in, d_in] with a unit last stride. weight: [E, d_in, d_out], any strides, x's dtype or
     fp32. gates: None or [T, S] (any float dtype, any strides). route: a `Route` (token, slot int32
     [P]; offsets int64 [E+1]). config: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, INTERLEAVE, num_warps,
-    num_stages (missing keys take the heuristic default), optional REDUCE ("atomic" or "ordered").
+    num_stages (missing keys take the heuristic default), optional REDUCE ("atomic" or "ordered") and
+    PARTIALS ("fp32" or "out": the dtype of the per-pair partials of the slot sum; `deterministic`
+    keeps fp32).
     """
     T, _, d_in = x3.shape
     E, _, d_out = weight.shape
@@ -256,15 +264,19 @@ def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
     reduce = cfg.get("REDUCE", "atomic")
     if reduce not in REDUCE_MODES:
         raise ValueError(f"config REDUCE must be one of {REDUCE_MODES}, got {reduce!r}")
+    partials = cfg.get("PARTIALS", "fp32")
+    if partials not in PARTIALS_MODES:
+        raise ValueError(f"config PARTIALS must be one of {PARTIALS_MODES}, got {partials!r}")
+    part_dtype = torch.float32 if deterministic or partials == "fp32" else y.dtype
+    narrow_atomics_round = part_dtype != torch.float32 and S // G_out > 2  # see the module docstring
     scratch = None
     if G_out == S:  # one pair per output row: store straight into y
         target, atomic, spg_out = y, False, 1
-    elif deterministic or reduce == "ordered":  # per-pair fp32 rows, summed in slot order by a second kernel
-        scratch = torch.empty((T, S, d_out), dtype=torch.float32, device=y.device)
+    elif deterministic or reduce == "ordered" or narrow_atomics_round:  # per-pair rows, summed in slot order
+        scratch = torch.empty((T, S, d_out), dtype=part_dtype, device=y.device)
         target, atomic, spg_out = scratch, False, 1
     else:
-        target = y.zero_() if y.dtype == torch.float32 else torch.zeros(y.shape, dtype=torch.float32,
-                                                                          device=y.device)
+        target = y.zero_() if y.dtype == part_dtype else torch.zeros(y.shape, dtype=part_dtype, device=y.device)
         atomic, spg_out = True, S // G_out
 
     has_gates = gates is not None

@@ -1,0 +1,73 @@
+"""A/B of explicit configs on one tuning shape, to decide a kernel knob before it goes into the tuner's
+space: per-call `do_bench` median (L2 flushed) and CUDA-graph replay (kernel time only), in rounds so
+that drift hits every variant alike; each cell is the median over rounds.
+
+    python3 bench/config_ab.py eva_attention 3 '{}' '{"EVICT": true}' '{"LAZY": true}' [--rounds 5]
+
+(op, index into autotune/space.py TUNE_SHAPES, then variants: JSON updates of the tuned config, '{}'
+being the tuned config itself; bf16, triton unless --backend.) For expert_matmul the variant
+'"route"' times route() alone (keys, sort, offsets), the rest of a call being the kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
+
+from flashswitch import registry
+from flashswitch.autotune import space, store
+
+
+def _route_only(problem: dict):
+    from flashswitch.ops.expert_matmul import route
+    return lambda: route(problem["expert_idx"], problem["num_experts"], check=False)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("op")
+    ap.add_argument("index", type=int)
+    ap.add_argument("variants", nargs="+")
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+
+    spec = registry.get(args.op)
+    shape = space.TUNE_SHAPES[args.op][args.index]
+    problem = spec.random_problem(**shape, dtype="bf16", device="cuda", seed=0)
+    tuned = store.lookup(args.op, args.backend, spec.features(problem))
+    print(f"{args.op} {registry.describe(shape)} bf16, tuned {args.backend} config: {json.dumps(tuned)}")
+
+    fns, names = [], []
+    for v in args.variants:
+        upd = json.loads(v)
+        if upd == "route":
+            fns.append(_route_only(problem))
+        else:
+            fns.append(spec.kernel_callable(args.backend, {**tuned, **upd}, problem))
+        names.append(v)
+    for fn in fns:  # compile, warm up
+        fn()
+    torch.cuda.synchronize()
+
+    per_call = {n: [] for n in names}
+    graph = {n: [] for n in names}
+    for _ in range(args.rounds):
+        for n, fn in zip(names, fns):
+            per_call[n].append(do_bench(fn, warmup=10, rep=60, return_mode="median"))
+            try:
+                graph[n].append(do_bench_cudagraph(fn, rep=40, return_mode="median"))
+            except Exception as exc:  # not capturable: say so once
+                graph[n].append(float("nan"))
+                print(f"  {n}: no graph ({type(exc).__name__})")
+    print(f"{'variant':48s} {'per call ms':>12s} {'graph ms':>10s}  (median of {args.rounds} rounds)")
+    for n in names:
+        print(f"{n:48s} {statistics.median(per_call[n]):12.4f} {statistics.median(graph[n]):10.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
