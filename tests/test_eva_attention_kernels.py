@@ -240,6 +240,29 @@ def test_tma_descriptors(backend, window, pack, Nq, bias, monkeypatch):
     assert_close("o", out[0], ref_o, dtype, baseline=base_o)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+                                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)])
+@pytest.mark.parametrize("D,Hkv", [(128, 4), (64, 2)])
+def test_tma_tuned_tiles(cfg, D, Hkv):
+    """The TMA tiles the H200 tuner picks for block windows, on a problem with ragged tiles (Nq and
+    q_offset not tile multiples, packed GQA) and NaN in the unused cache capacity past Nk."""
+    C, W, Nk, cap = 16, 256, 1000, 1100
+    p = random_problem(2, 8, Hkv, 700, cap, D, C, W, window="block", summary_bias="log_count", q_offset=Nk - 700,
+                       dtype=torch.bfloat16, device=DEVICE, seed=D)
+    n_sum = start_position(Nk - 1, chunk_size=C, window_size=W, window="block") // C
+    for name in ("k", "v"):
+        p[name] = p[name].clone()
+        p[name][:, :, Nk:] = float("nan")
+    for name in ("k_sum", "v_sum"):
+        p[name] = p[name].clone()
+        p[name][:, :, n_sum:] = float("nan")
+    out = _run("triton", p, config=dict(cfg, TMA=True))
+    ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
+    assert_close("o", out[0], ref_o, torch.bfloat16)
+    assert_close("lse", out[1], ref_l, torch.bfloat16)
+
+
 def test_explicit_configs_from_the_space(backend):
     """Configs of the tuning space (a spread of them on the CPU, all on a GPU) give correct answers."""
     if backend != "triton":
