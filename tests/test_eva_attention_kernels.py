@@ -263,21 +263,38 @@ def test_tma_tuned_tiles(cfg, D, Hkv):
     assert_close("lse", out[1], ref_l, torch.bfloat16)
 
 
-def test_explicit_configs_from_the_space(backend):
-    """Configs of the tuning space (a spread of them on the CPU, all on a GPU) give correct answers."""
+def _space_problem(window, decode, device):
+    return random_problem(1, 4, 2, 9 if decode else None, 300 if decode else 160, 32, 4, 32, window=window,
+                          summary_bias="log_count", dtype=torch.float16, device=device, seed=4)
+
+
+def _space_configs(window, decode):
+    p = _space_problem(window, decode, "cpu")
+    return space.config_space("eva_attention", "triton", op.problem_features(**p))
+
+
+def _space_cases():
+    """(window, decode, config index): every config of the spaces on a GPU (one test each, so that
+    pytest-xdist spreads the compiles), a spread of them on the CPU."""
+    out = []
+    for window in ("sliding", "block"):
+        for decode in (False, True):
+            n = len(_space_configs(window, decode))
+            picks = range(n) if GPU else range(0, n, max(1, n // 4))
+            out += [pytest.param(window, decode, i, id=f"{window}-{'decode' if decode else 'prefill'}-{i}")
+                    for i in picks]
+    return out
+
+
+@pytest.mark.parametrize("window,decode,index", _space_cases())
+def test_explicit_configs_from_the_space(backend, window, decode, index):
+    """Configs of the tuning space (TMA tiles in the block-window one) give correct answers."""
     if backend != "triton":
         pytest.skip("the space below is the triton one")
-    dtype = torch.float16
-    for decode in (False, True):
-        Nq = 9 if decode else None
-        p = random_problem(1, 4, 2, Nq, 300 if decode else 160, 32, 4, 32, window="sliding",
-                           summary_bias="log_count", dtype=dtype, device=DEVICE, seed=4)
-        cfgs = space.config_space("eva_attention", "triton", op.problem_features(**p))
-        assert cfgs and all("BLOCK_M" in c and "BLOCK_N" in c for c in cfgs)
-        if not GPU:
-            cfgs = cfgs[:: max(1, len(cfgs) // 4)]
-        for cfg in cfgs:
-            _check(op.run_kernel(backend, cfg, **p), p)
+    cfgs = _space_configs(window, decode)
+    assert cfgs and all("BLOCK_M" in c and "BLOCK_N" in c for c in cfgs)
+    p = _space_problem(window, decode, DEVICE)
+    _check(op.run_kernel(backend, cfgs[index], **p), p)
 
 
 def test_default_config_and_features():

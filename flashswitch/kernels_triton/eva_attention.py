@@ -13,9 +13,11 @@ Both are walked in BLOCK_N steps, numbered as one list of key blocks (summary bl
 exact blocks counted from start(t_min)), in five loops by kind or, with config FUSE, in one loop
 (better when each kind is only a few blocks long: short sliding windows). Blocks that every row of
 the tile sees in full (summaries below start(t_min) / C, exact keys inside [start(t_max), t_min])
-run without any mask; the few others compare positions per element. Fully invisible blocks are never visited, so the work is
-proportional to the visible pairs, and nothing outside the two intervals is ever read (k/v past
-t_max and summaries past the last visible one may hold anything, e.g. unused cache capacity).
+run without any mask; the few others compare positions per element. Fully invisible blocks are
+never visited, so the work is proportional to the visible pairs, and nothing outside the two
+intervals reaches the output (k/v past t_max and summaries past the last visible one may hold
+anything, e.g. unused cache capacity): pointer loads mask those rows, and with config TMA (tiles
+loaded by the tensor memory accelerator through descriptors) a masked block zeroes them in v.
 
 With NUM_SPLITS > 1 (flash-decoding) the list of key blocks of each tile is cut into NUM_SPLITS
 contiguous pieces, one per program along grid axis 2. Each writes a normalised partial output and

@@ -21,11 +21,13 @@ Without `deterministic`, config `REDUCE` picks between the two for G_out < S: "a
 "ordered" (the deterministic path). Config `PARTIALS` = "out" (not with `deterministic`) rounds each
 pair's gated product to y's dtype before the slot sum, as torch's grouped_mm pipeline does: the
 ordered scratch then holds half the bytes, and with at most two slots per output group the atomics
-add straight into a zeroed y (no fp32 accumulator, no cast pass). Two addends keep the fp32 sum's
-result: 0 + a is exact and a + b is one rounding of the exact sum in either order, so it is also
-order-independent; with more addends every add would round, so those groups take the ordered sum. The ordered path writes and reads back S·d_out fp32 values per
-token (S / G_out times the accumulator: for SwitchHead O and σ-MoE down 8x, ~1 GB per 16k-token
-step), while the atomics land in an accumulator S / G_out times smaller that the tile schedule
+add straight into a zeroed y (no fp32 accumulator, no cast pass). With two addends that is what the
+ordered sum of the rounded partials gives (0 + a is exact, a + b one rounding of the exact sum), in
+either order, so it is also reproducible; with more addends every add would round, so those groups
+take the ordered sum.
+
+The ordered path writes and reads back S·d_out fp32 values per token (S / G_out times the
+accumulator: for SwitchHead O and σ-MoE down 8x, ~1 GB per 16k-token step), while the atomics land in an accumulator S / G_out times smaller that the tile schedule
 below keeps mostly in L2, but contend when S / G_out pairs of one row are added at once; which is
 faster depends on the shape, so the tuner tries both.
 
