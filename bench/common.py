@@ -151,6 +151,28 @@ def rotating_ms(fns, reps: int = 200) -> float:
     return times[len(times) // 2]
 
 
+def read_flush_ms(fn, reps: int = 100) -> float:
+    """Median CUDA-event time of one call after flushing the L2 by *reading* 256 MB (a sum into one
+    value) instead of do_bench's zeroing: every input is as cold as under do_bench, but the L2 then
+    holds only clean lines, so the timed call does not write back the flush's own data. The sum's
+    ~60 us of GPU time hides the host's work per call as do_bench's flush does."""
+    buf = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        torch.sum(buf, dim=0, out=sink)
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
+    return times[len(times) // 2]
+
+
 def graph_ms(fns) -> float | None:
     """Kernel-only time: median of CUDA-graph replays (`triton.testing.do_bench_cudagraph`) of a call
     that cycles through `fns`, so neither the host's per-call work nor an L2 flush is in it. None
@@ -180,13 +202,16 @@ def time_case(benchmark, fn, *, spec: registry.OpSpec, problem: dict, backend: s
               dtype: str, label: str | None = None, rotate=None) -> dict:
     """Time `fn` with do_bench (median, CUDA events) and with benchmark.pedantic (synchronizing
     callable); `rotate` (a list of the same call on other input sets) adds the rotating-inputs median
-    (`ms_rotating`). Record everything in benchmark.extra_info and return it."""
+    (`ms_rotating`), the CUDA-graph replay (`ms_graph`) and the read-flush median (`ms_read_flush`).
+    Record everything in benchmark.extra_info and return it."""
     ms = bench_ms(fn, warmup=25, rep=100)  # also compiles / warms up
     rot = {}
     if rotate:
         rms = rotating_ms([fn] + list(rotate))
         gms = graph_ms([fn] + list(rotate))
-        rot = {"ms_rotating": rms, "rotating_sets": 1 + len(rotate), "ms_graph": gms,
+        fms = read_flush_ms(fn)
+        rot = {"ms_rotating": rms, "rotating_sets": 1 + len(rotate), "ms_graph": gms, "ms_read_flush": fms,
+               **{f"{k} read flush": v for k, v in spec.throughput(problem, fms).items()},
                **{f"{k} rotating": v for k, v in spec.throughput(problem, rms).items()},
                **{f"{k} graph": v for k, v in (spec.throughput(problem, gms) if gms else {}).items()}}
 

@@ -128,6 +128,9 @@ def markdown(rows: list[dict], meta: dict, ceilings: dict, op: str) -> str:
     rotating = any(r.get("ms_rotating") for r in rows)
     if rotating:
         head += ["rotating ms"] + [f"{u} rotating" for u in units] + ["graph ms"] + [f"{u} graph" for u in units]
+    read_flush = any(r.get("ms_read_flush") for r in rows)
+    if read_flush:
+        head += ["read-flush ms"] + [f"{u} read flush" for u in units]
     ceil_src = ceilings["source"]
     lines = [
         f"# {op} on {meta.get('device')}",
@@ -168,12 +171,19 @@ def markdown(rows: list[dict], meta: dict, ceilings: dict, op: str) -> str:
             gms = r.get("ms_graph")
             cells.append("-" if not gms else f"{gms:.4f}")
             cells += ["-" if r.get(f"{u} graph") is None else f"{r[f'{u} graph']:.1f}" for u in units]
+        if read_flush:
+            fms = r.get("ms_read_flush")
+            cells.append("-" if not fms else f"{fms:.4f}")
+            cells += ["-" if r.get(f"{u} read flush") is None else f"{r[f'{u} read flush']:.1f}" for u in units]
         lines.append("| " + " | ".join(cells) + " |")
     if rotating:
         lines += ["", "rotating: median CUDA-event time per call cycling through distinct input sets (together "
                   ">= 4x the L2) with no flush; do_bench's flush zeroes 256 MB before each call and leaves up to "
                   "one L2 of dirty lines that the timed call must write back. graph: median of CUDA-graph replays of "
                   "the same rotation (triton.testing.do_bench_cudagraph): kernel time without per-call host work."]
+    if read_flush:
+        lines += ["", "read flush: median CUDA-event time per call after flushing the L2 by reading 256 MB (inputs "
+                  "as cold as under do_bench, but no dirty lines of the flush left to write back)."]
     notes = sorted({f"{r['backend']}: {r['unsupported']}" for r in rows if r.get("unsupported")})
     if notes:
         lines += ["", "Unsupported:"] + [f"- {n}" for n in notes]

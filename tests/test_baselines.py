@@ -310,7 +310,9 @@ def test_plot_op2_speedup_and_tables(tmp_path):
             rows.append(dict(backend=b, dtype="bf16", shape=shape, x="Nk", unit="TFLOP/s", ms=ms,
                              **{"TFLOP/s": 100.0 / ms, "GB/s": 50.0 / ms}))
     rows.append(dict(backend="cat_sdpa_decode", dtype="bf16", shape=dict(B=32, Nq=1, Nk=32768), x="Nk",
-                     unit="TFLOP/s", ms=0.05, label="decode", **{"TFLOP/s": 1.0, "GB/s": 3000.0}))
+                     unit="TFLOP/s", ms=0.05, label="decode", **{"TFLOP/s": 1.0, "GB/s": 3000.0},
+                     ms_rotating=0.06, ms_graph=0.04, ms_read_flush=0.045,
+                     **{"GB/s rotating": 2500.0, "GB/s graph": 3750.0, "GB/s read flush": 3333.3}))
     written = plot.process(_fake_json(tmp_path / "eva_attention.json", "eva_attention", rows))
     names = {w.name for w in written}
     assert names == {"eva_attention.md", "eva_attention.png", "eva_attention_throughput.png"}
@@ -318,6 +320,8 @@ def test_plot_op2_speedup_and_tables(tmp_path):
     assert "speedup vs flex" in md and "speedup vs sdpa_causal" in md and "GB/s" in md
     assert "| 3.00x |" in md  # flex over sdpa_causal
     assert "decode: B=32 Nq=1 Nk=32768" in md
+    assert "rotating ms" in md and "graph ms" in md and "read-flush ms" in md and "GB/s read flush" in md
+    assert "| 0.0450 |" in md and "| 3333.3 |" in md
 
 
 def test_plot_op3_bars_roof_and_unsupported(tmp_path):
