@@ -1,6 +1,7 @@
 """A/B of explicit configs on one tuning shape, to decide a kernel knob before it goes into the tuner's
-space: per-call `do_bench` median (L2 flushed) and CUDA-graph replay (kernel time only), in rounds so
-that drift hits every variant alike; each cell is the median over rounds.
+space: per-call `do_bench` median (L2 flushed by zeroing), per-call median after a read flush
+(bench/common.py `read_flush_ms`) and CUDA-graph replay (kernel time only), in rounds so that drift
+hits every variant alike; each cell is the median over rounds.
 
     python3 bench/config_ab.py eva_attention 3 '{}' '{"EVICT": true}' '{"LAZY": true}' [--rounds 5]
 
@@ -17,6 +18,7 @@ import statistics
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
+from common import read_flush_ms  # bench/common.py (this script's folder is on sys.path)
 from flashswitch import registry
 from flashswitch.autotune import space, store
 
@@ -54,18 +56,22 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
 
     per_call = {n: [] for n in names}
+    read_flush = {n: [] for n in names}
     graph = {n: [] for n in names}
     for _ in range(args.rounds):
         for n, fn in zip(names, fns):
             per_call[n].append(do_bench(fn, warmup=10, rep=60, return_mode="median"))
+            read_flush[n].append(read_flush_ms(fn, reps=60))
             try:
                 graph[n].append(do_bench_cudagraph(fn, rep=40, return_mode="median"))
             except Exception as exc:  # not capturable: say so once
                 graph[n].append(float("nan"))
                 print(f"  {n}: no graph ({type(exc).__name__})")
-    print(f"{'variant':48s} {'per call ms':>12s} {'graph ms':>10s}  (median of {args.rounds} rounds)")
+    print(f"{'variant':48s} {'per call ms':>12s} {'read flush':>11s} {'graph ms':>10s}  "
+          f"(median of {args.rounds} rounds)")
     for n in names:
-        print(f"{n:48s} {statistics.median(per_call[n]):12.4f} {statistics.median(graph[n]):10.4f}")
+        print(f"{n:48s} {statistics.median(per_call[n]):12.4f} {statistics.median(read_flush[n]):11.4f} "
+              f"{statistics.median(graph[n]):10.4f}")
     return 0
 
 
