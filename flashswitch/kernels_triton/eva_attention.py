@@ -449,10 +449,10 @@ def plan(q, k, k_sum, *, chunk_size, window_size, sliding, q_offset, config):
 
 def _row_descriptor(t: torch.Tensor, block_n: int, block_d: int):
     """A TMA descriptor of t [B, H, N, D] seen as [B*H*N, D] rows, in [block_n, block_d] blocks; None
-    where TMA cannot read it that way (not contiguous, D != block_d, fewer than 16 bytes per row,
-    2^31 rows or more, empty)."""
+    where TMA cannot read it that way (not contiguous, D != block_d, rows not a multiple of 16 bytes,
+    a box side over 256, 2^31 rows or more, empty)."""
     B, H, N, D = t.shape
-    if (TensorDescriptor is None or t.numel() == 0 or not t.is_contiguous() or D != block_d
+    if (TensorDescriptor is None or t.numel() == 0 or not t.is_contiguous() or D != block_d or block_n > 256
             or (D * t.element_size()) % 16 or t.data_ptr() % 16 or B * H * N >= 2 ** 31):
         return None
     return TensorDescriptor.from_tensor(t.view(B * H * N, D), [block_n, block_d])
