@@ -274,7 +274,10 @@ def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates:
     y[t, g] = Σ_{s: s // (S / G_out) = g} gates[t, s] · x_row(t, s) @ weight[expert_idx[t, s]].
 
     `deterministic=True` makes the slot reduction (G_out < S) run in a fixed order, so repeated
-    calls give bitwise-identical results (slower: per-pair fp32 rows go through memory).
+    calls give bitwise-identical results (slower: per-pair fp32 rows go through memory). Without it
+    a tuned config may round each pair's gated product to x's dtype before the slot sum, as a
+    grouped_mm pipeline does (config PARTIALS, kernels_triton/expert_matmul.py); the products
+    themselves always accumulate in fp32.
     `backend`: "auto", "reference", "triton", "cuda" or "cupy".
     """
     G_in, G_out = _validate(x, route, weight, gates, out_groups, deterministic)
