@@ -177,6 +177,18 @@ def test_summary_count_differs_from_ceil(backend, Nc_delta):
     _check(_run(backend, p), p)
 
 
+def _poison_unused(p, *, first, Nk, n_sum, names_sum=("k_sum", "v_sum")):
+    """NaN where a cache holds no data yet: exact keys before `first` and from Nk on, summaries from
+    n_sum on (and whatever else `names_sum` lists, e.g. the bias)."""
+    for name in ("k", "v"):
+        p[name] = p[name].clone()
+        p[name][:, :, :first] = float("nan")
+        p[name][:, :, Nk:] = float("nan")
+    for name in names_sum:
+        p[name] = p[name].clone()
+        p[name][:, :, n_sum:] = float("nan")
+
+
 @pytest.mark.parametrize("window", ["block", "sliding"])
 @pytest.mark.parametrize("G,Nq", [(1, 1), (4, 1), (2, 3)])
 @pytest.mark.parametrize("fuse", [False, True])
@@ -188,13 +200,7 @@ def test_never_reads_outside_the_visible_range(backend, window, G, Nq, fuse):
                        device=DEVICE, seed=G)
     first = start_position(Nk - Nq, chunk_size=C, window_size=W, window=window)
     n_sum = start_position(Nk - 1, chunk_size=C, window_size=W, window=window) // C
-    for name in ("k", "v"):
-        p[name] = p[name].clone()
-        p[name][:, :, :first] = float("nan")
-        p[name][:, :, Nk:] = float("nan")
-    for name in ("k_sum", "v_sum", "summary_bias"):
-        p[name] = p[name].clone()
-        p[name][:, :, n_sum:] = float("nan")
+    _poison_unused(p, first=first, Nk=Nk, n_sum=n_sum, names_sum=("k_sum", "v_sum", "summary_bias"))
     out = _run(backend, p, config=dict(SMALL, NUM_SPLITS=3, FUSE=fuse))
     ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
     assert_close("o", out[0], ref_o, F32)
@@ -221,12 +227,7 @@ def test_tma_descriptors(backend, window, pack, Nq, bias, monkeypatch):
     p = random_problem(2, 4, 2, Nq or 90, cap, 16, C, W, window=window, summary_bias=bias, q_offset=q_offset,
                        dtype=dtype, device=DEVICE, seed=11)
     n_sum = start_position(Nk - 1, chunk_size=C, window_size=W, window=window) // C
-    for name in ("k", "v"):
-        p[name] = p[name].clone()
-        p[name][:, :, Nk:] = float("nan")
-    for name in ("k_sum", "v_sum"):
-        p[name] = p[name].clone()
-        p[name][:, :, n_sum:] = float("nan")
+    _poison_unused(p, first=0, Nk=Nk, n_sum=n_sum)
     cfg = dict(SMALL, TMA=True, PACK_GQA=pack, NUM_SPLITS=3 if Nq else 1)
     out = _run(backend, p, config=cfg)
     assert used and used[-1] is not None
@@ -251,12 +252,7 @@ def test_tma_tuned_tiles(cfg, D, Hkv):
     p = random_problem(2, 8, Hkv, 700, cap, D, C, W, window="block", summary_bias="log_count", q_offset=Nk - 700,
                        dtype=torch.bfloat16, device=DEVICE, seed=D)
     n_sum = start_position(Nk - 1, chunk_size=C, window_size=W, window="block") // C
-    for name in ("k", "v"):
-        p[name] = p[name].clone()
-        p[name][:, :, Nk:] = float("nan")
-    for name in ("k_sum", "v_sum"):
-        p[name] = p[name].clone()
-        p[name][:, :, n_sum:] = float("nan")
+    _poison_unused(p, first=0, Nk=Nk, n_sum=n_sum)
     out = _run("triton", p, config=dict(cfg, TMA=True))
     ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
     assert_close("o", out[0], ref_o, torch.bfloat16)
