@@ -63,6 +63,23 @@ def test_lookup_exact_nearest_default(cfg_dir):
     assert store.lookup("chunk_summaries", "cuda", f) == space.default_config("chunk_summaries", "cuda", f)
 
 
+def test_nearest_config_that_does_not_fit_gives_the_default(cfg_dir):
+    # the D=128 winner (128 x 128 tiles, 3 stages: 224 KB of k/v at D=128) would need 448 KB at D=256
+    def feats(D):
+        return space.features("eva_attention", dtype="bf16", D=D, C=16, W=2048, window="block", decode=False,
+                              rows=1 << 19, keys=1 << 15)
+    big = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True}
+    ops = {"eva_attention": {store.bucket_key(feats(128)): {"features": feats(128), "best": "triton",
+                                                            "backends": {"triton": {"config": big, "ms": 1.0}}}}}
+    store.save({"device": DEV, "ops": ops}, store.device_file(folder=cfg_dir))
+    assert store.lookup("eva_attention", "triton", feats(128)) == big
+    assert store.lookup("eva_attention", "triton", feats(64)) == big  # nearest, and it fits at D=64
+    f = feats(256)
+    assert not space.config_fits("eva_attention", "triton", f, big)
+    assert store.lookup("eva_attention", "triton", f) == space.default_config("eva_attention", "triton", f)
+    assert space.config_fits("eva_attention", "triton", f, space.default_config("eva_attention", "triton", f))
+
+
 def test_missing_file_gives_defaults(cfg_dir):
     f = _feats()
     with warnings.catch_warnings():

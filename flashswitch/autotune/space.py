@@ -117,6 +117,16 @@ def _eva_triton_fits(f: dict, bm: int, bn: int, w: int, stages: int, smem_kb: in
     return smem <= smem_kb * 1024 and bm * bd <= 2048 * w and bm * bn <= 4096 * w
 
 
+def _eva_triton_config_fits(f: dict, cfg: dict) -> bool:
+    """Whether a config tuned on another bucket (another D, say) still fits this one's shared memory
+    and registers (the tuned buckets' tiles can need more than the hardware has at a larger D)."""
+    try:
+        bm, bn, w, s = (int(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
+    except (KeyError, TypeError, ValueError):
+        return True  # a partial config: the launcher fills in the defaults
+    return _eva_triton_fits(f, bm, bn, w, s, smem_kb=224)
+
+
 def _eva_triton_space(f: dict) -> list[dict]:
     # BLOCK_M is clamped to the rows of a (batch, head) at launch; decode also sweeps the number of
     # key-range splits (0 = automatic). fp32 uses IEEE FMA dot products, which hold whole operand
@@ -362,6 +372,9 @@ DEFAULTS = {
     ("expert_matmul", "cuda"): _em_cuda_default,
     ("expert_matmul", "cupy"): _em_cuda_default,
 }
+FITS = {
+    ("eva_attention", "triton"): _eva_triton_config_fits,
+}
 
 # Shapes `flashswitch autotune` sweeps: keyword arguments of each op's bench/tune problem builder.
 TUNE_SHAPES = {
@@ -400,3 +413,10 @@ def config_space(op: str, backend: str, feats: dict) -> list[dict]:
 def default_config(op: str, backend: str, feats: dict) -> dict:
     fn = DEFAULTS.get((op, backend))
     return fn(feats) if fn else {}
+
+
+def config_fits(op: str, backend: str, feats: dict, cfg: dict) -> bool:
+    """Whether `cfg` can launch on a problem of bucket `feats` (true where the resources a config
+    needs do not depend on the problem)."""
+    fn = FITS.get((op, backend))
+    return fn(feats, cfg) if fn else True

@@ -188,11 +188,12 @@ def _search(data: dict, op: str, feats: dict, backend: Optional[str]) -> Optiona
 
 
 def lookup(op: str, backend: str, feats: dict) -> dict:
-    """Config for `backend` on this bucket: exact bucket, else nearest tuned bucket, else default."""
+    """Config for `backend` on this bucket: exact bucket, else nearest tuned bucket whose config fits
+    this one (space.config_fits), else default."""
     entry = _entry(op, feats, backend)
     if entry is not None:
         cfg = entry["backends"][backend].get("config")
-        if isinstance(cfg, dict):
+        if isinstance(cfg, dict) and space.config_fits(op, backend, feats, cfg):
             return dict(cfg)
     return space.default_config(op, backend, feats)
 
