@@ -439,6 +439,8 @@ def cmd_autotune(args) -> int:
     shapes = None
     if args.first is not None:  # the first N shapes of each op (issue shapes come first in TUNE_SHAPES)
         shapes = {op: list(lst[:args.first]) for op, lst in space.TUNE_SHAPES.items()}
+    if args.shape is not None:  # chosen shapes of each op, by index
+        shapes = {op: [lst[i] for i in args.shape if i < len(lst)] for op, lst in (shapes or space.TUNE_SHAPES).items()}
     res = tune(ops=args.ops, backends=args.backends, shapes=shapes, dtypes=args.dtypes, budget_s=args.budget,
                out_dir=args.out, seed=args.seed, progress=not args.no_progress, resume=args.resume)
     con.print(f"tuned {res['buckets']} of {res['planned']} buckets -> {res['path']}"
@@ -491,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--first", type=int, metavar="N",
                    help="tune only the first N shapes of each op (autotune/space.py TUNE_SHAPES, issue shapes first)")
+    a.add_argument("--shape", type=int, nargs="+", metavar="I",
+                   help="tune only these shapes of each op (indices into autotune/space.py TUNE_SHAPES)")
     a.add_argument("--resume", action="store_true",
                    help="skip buckets the file already holds complete (continue a run the budget cut short)")
     a.add_argument("--no-progress", action="store_true")

@@ -97,7 +97,8 @@ def test_bench_quick_refuses_without_gpu(capsys):
 
 
 def test_autotune_first_n_shapes(monkeypatch):
-    """`autotune --first N` hands the tuner the first N shapes of each op (issue shapes first)."""
+    """`autotune --first N` hands the tuner the first N shapes of each op (issue shapes first), and
+    `--shape I ...` the chosen ones."""
     import torch
     from flashswitch.autotune import space, tune as tune_mod
     seen = {}
@@ -112,3 +113,5 @@ def test_autotune_first_n_shapes(monkeypatch):
     assert seen["shapes"]["expert_matmul"] == space.TUNE_SHAPES["expert_matmul"][:1]
     assert seen["ops"] == ["expert_matmul"]
     assert cli.main(["autotune", "--no-progress"]) == 0 and seen["shapes"] is None
+    assert cli.main(["autotune", "--ops", "eva_attention", "--shape", "1", "3", "--no-progress"]) == 0
+    assert seen["shapes"]["eva_attention"] == [space.TUNE_SHAPES["eva_attention"][i] for i in (1, 3)]

@@ -172,6 +172,11 @@ def _eva_triton_space(f: dict) -> list[dict]:
         tma = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 8 if bm == 128 else 4, "num_stages": s, "TMA": True}
                for bm, bn, s in itertools.product((64, 128), (64, 128), (2, 3, 4))
                if _eva_triton_fits(f, bm, bn, 8 if bm == 128 else 4, s, smem_kb=224)]
+        if f["D"] <= 64:
+            # the 64 x 64 TMA tile capped at 168 / 128 registers: three / four programs per SM (at most
+            # 56 KB of shared memory each), so that one program's softmax overlaps another's MMAs
+            tma = [{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": s, "TMA": True, "maxnreg": cap}
+                   for cap in (168, 128) for s in (3, 2)] + tma
         out = tma + out
     return out
 
