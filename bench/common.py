@@ -152,11 +152,13 @@ def rotating_ms(fns, reps: int = 200) -> float:
 
 
 def read_flush_ms(fn, reps: int = 100) -> float:
-    """Median CUDA-event time of one call after flushing the L2 by *reading* 256 MB (a sum into one
+    """Median CUDA-event time of one call after flushing the L2 by *reading* 512 MB (a sum into one
     value) instead of do_bench's zeroing: every input is as cold as under do_bench, but the L2 then
     holds only clean lines, so the timed call does not write back the flush's own data. The sum's
-    ~60 us of GPU time hides the host's work per call as do_bench's flush does."""
-    buf = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
+    ~125 us of GPU time hides up to that much host work per call (do_bench's flush: ~60 us, less
+    than the 144 us a decode call costs this device's host, H200 run 20), so that the events time
+    the kernels, not a GPU waiting for the host."""
+    buf = torch.ones(128 << 20, dtype=torch.float32, device="cuda")
     sink = torch.empty((), dtype=torch.float32, device="cuda")
     for _ in range(3):
         fn()

@@ -182,8 +182,9 @@ def markdown(rows: list[dict], meta: dict, ceilings: dict, op: str) -> str:
                   "one L2 of dirty lines that the timed call must write back. graph: median of CUDA-graph replays of "
                   "the same rotation (triton.testing.do_bench_cudagraph): kernel time without per-call host work."]
     if read_flush:
-        lines += ["", "read flush: median CUDA-event time per call after flushing the L2 by reading 256 MB (inputs "
-                  "as cold as under do_bench, but no dirty lines of the flush left to write back)."]
+        lines += ["", "read flush: median CUDA-event time per call after flushing the L2 by reading 512 MB (inputs "
+                  "as cold as under do_bench, but no dirty lines of the flush left to write back, and ~125 us of "
+                  "GPU work to hide the host's work per call)."]
     notes = sorted({f"{r['backend']}: {r['unsupported']}" for r in rows if r.get("unsupported")})
     if notes:
         lines += ["", "Unsupported:"] + [f"- {n}" for n in notes]

@@ -167,16 +167,14 @@ def _eva_triton_space(f: dict) -> list[dict]:
         out += [{**c, "maxnreg": 168} for c in base]
     if not fp32 and f["D"] <= 128 and f.get("window") == "block":
         # k/v/summary tiles by TMA (descriptors, no address registers): 64 x 64 and 128 x 128 tiles won
-        # on block D = 128 (H200 run 17); 4 stages at D = 64; up to the 227 KB of shared memory.
-        # First in the list, so that a tuning budget cut short has timed them.
-        tma = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 8 if bm == 128 else 4, "num_stages": s, "TMA": True}
-               for bm, bn, s in itertools.product((64, 128), (64, 128), (2, 3, 4))
-               if _eva_triton_fits(f, bm, bn, 8 if bm == 128 else 4, s, smem_kb=224)]
-        if f["D"] <= 64:
-            # the 64 x 64 TMA tile capped at 168 / 128 registers: three / four programs per SM (at most
-            # 56 KB of shared memory each), so that one program's softmax overlaps another's MMAs
-            tma = [{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": s, "TMA": True, "maxnreg": cap}
-                   for cap in (168, 128) for s in (3, 2)] + tma
+        # on block D = 128 (H200 run 17); 4 stages at D = 64; up to the 227 KB of shared memory. A
+        # 128-row tile also with one warpgroup where its registers allow (D <= 64), and deeper pipelines
+        # (6 stages) where they fit. Register-capped 64 x 64 TMA tiles (3-4 programs per SM) lost at
+        # D = 64 (run 22). First in the list, so that a tuning budget cut short has timed them.
+        tma = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": True}
+               for bm, bn, s, w in itertools.product((64, 128), (64, 128), (2, 3, 4, 6), (4, 8))
+               if (w == 8) == (bm == 128) or (bm, w) == (128, 4)
+               if _eva_triton_fits(f, bm, bn, w, s, smem_kb=224)]
         out = tma + out
     return out
 
