@@ -69,15 +69,25 @@ def test_nearest_config_that_does_not_fit_gives_the_default(cfg_dir):
         return space.features("eva_attention", dtype="bf16", D=D, C=16, W=2048, window="block", decode=False,
                               rows=1 << 19, keys=1 << 15)
     big = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True}
-    ops = {"eva_attention": {store.bucket_key(feats(128)): {"features": feats(128), "best": "triton",
-                                                            "backends": {"triton": {"config": big, "ms": 1.0}}}}}
-    store.save({"device": DEV, "ops": ops}, store.device_file(folder=cfg_dir))
+    small = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+    def save(entries):
+        ops = {"eva_attention": {store.bucket_key(feats(D)): {"features": feats(D), "best": "triton",
+                                                              "backends": {"triton": {"config": c, "ms": 1.0}}}
+                                 for D, c in entries}}
+        store.save({"device": DEV, "ops": ops}, store.device_file(folder=cfg_dir))
+
+    save([(128, big)])
     assert store.lookup("eva_attention", "triton", feats(128)) == big
     assert store.lookup("eva_attention", "triton", feats(64)) == big  # nearest, and it fits at D=64
     f = feats(256)
     assert not space.config_fits("eva_attention", "triton", f, big)
     assert store.lookup("eva_attention", "triton", f) == space.default_config("eva_attention", "triton", f)
     assert space.config_fits("eva_attention", "triton", f, space.default_config("eva_attention", "triton", f))
+    # a farther bucket whose config fits wins over the nearest one that does not
+    save([(128, big), (16, small)])
+    assert store.lookup("eva_attention", "triton", f) == small
+    assert store.lookup("eva_attention", "triton", feats(64)) == big
 
 
 def test_missing_file_gives_defaults(cfg_dir):

@@ -172,14 +172,25 @@ def _entry(op: str, feats: dict, backend: Optional[str] = None) -> Optional[dict
     return _entry_memo[key]
 
 
+def _usable(entry: dict, op: str, feats: dict, backend: Optional[str]) -> bool:
+    """Whether `entry` holds a config of `backend` that fits a problem of bucket `feats` (any entry
+    when no backend is asked for)."""
+    if backend is None:
+        return True
+    cfg = entry.get("backends", {}).get(backend)
+    if cfg is None:
+        return False
+    return not isinstance(cfg.get("config"), dict) or space.config_fits(op, backend, feats, cfg["config"])
+
+
 def _search(data: dict, op: str, feats: dict, backend: Optional[str]) -> Optional[dict]:
     table = data["ops"].get(op, {})
     hit = table.get(bucket_key(feats))
-    if hit is not None and (backend is None or backend in hit.get("backends", {})):
+    if hit is not None and _usable(hit, op, feats, backend):
         return hit
     best, best_d = None, math.inf
     for entry in table.values():
-        if backend is not None and backend not in entry.get("backends", {}):
+        if not _usable(entry, op, feats, backend):
             continue
         d = _distance(feats, entry.get("features", {}))
         if d < best_d:
@@ -188,12 +199,12 @@ def _search(data: dict, op: str, feats: dict, backend: Optional[str]) -> Optiona
 
 
 def lookup(op: str, backend: str, feats: dict) -> dict:
-    """Config for `backend` on this bucket: exact bucket, else nearest tuned bucket whose config fits
-    this one (space.config_fits), else default."""
+    """Config for `backend` on this bucket: exact bucket, else the nearest tuned bucket whose config
+    fits this one (space.config_fits), else default."""
     entry = _entry(op, feats, backend)
     if entry is not None:
         cfg = entry["backends"][backend].get("config")
-        if isinstance(cfg, dict) and space.config_fits(op, backend, feats, cfg):
+        if isinstance(cfg, dict):
             return dict(cfg)
     return space.default_config(op, backend, feats)
 
