@@ -63,7 +63,7 @@ def test_lookup_exact_nearest_default(cfg_dir):
     assert store.lookup("chunk_summaries", "cuda", f) == space.default_config("chunk_summaries", "cuda", f)
 
 
-def test_nearest_config_that_does_not_fit_gives_the_default(cfg_dir):
+def test_lookup_skips_configs_that_do_not_fit(cfg_dir):
     # the D=128 winner (128 x 128 tiles, 3 stages: 224 KB of k/v at D=128) would need 448 KB at D=256
     def feats(D):
         return space.features("eva_attention", dtype="bf16", D=D, C=16, W=2048, window="block", decode=False,
