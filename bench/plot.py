@@ -260,7 +260,7 @@ def plot(rows: list[dict], meta: dict, ceilings: dict, op: str, out: Path) -> bo
     _x_axis(ax, x, fam)
     ax.set_ylabel(unit)
     fixed = {k: v for k, v in fam[0]["shape"].items() if k != x}
-    ax.set_title(f"{op} on {meta.get('device')}: {shape_str(fixed)} {fam[0].get('dtype', '')}", fontsize=10)
+    ax.set_title(f"{op} on {meta.get('device')}\n{shape_str(fixed)} {fam[0].get('dtype', '')}", fontsize=10)
     ax.set_ylim(bottom=0)
     _save(fig, ax, out, plt)
     return True
@@ -288,8 +288,8 @@ def plot_speedup(rows: list[dict], meta: dict, op: str, over: str, out: Path) ->
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.set_ylabel(f"speedup over {over}")
     fixed = {k: v for k, v in fam[0]["shape"].items() if k != x}
-    ax.set_title(f"{op} on {meta.get('device')}: speedup over {over}, {shape_str(fixed)} "
-                 f"{fam[0].get('dtype', '')}", fontsize=9)
+    ax.set_title(f"{op} on {meta.get('device')}: speedup over {over}\n{shape_str(fixed)} "
+                 f"{fam[0].get('dtype', '')}", fontsize=10)
     _save(fig, ax, out, plt)
     return True
 

@@ -243,6 +243,7 @@ def test_tma_descriptors(backend, window, pack, Nq, bias, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+                                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
                                  dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)])
 @pytest.mark.parametrize("D,Hkv", [(128, 4), (64, 2)])
 def test_tma_tuned_tiles(cfg, D, Hkv):

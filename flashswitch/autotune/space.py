@@ -134,7 +134,8 @@ def _eva_triton_space(f: dict) -> list[dict]:
     # The 16-bit spaces keep the tiles that can win on Hopper (each config is a compile: ~1-2 s on
     # the device's CPU), about 16-32 per prefill bucket and 16 compiles x 6 split counts per decode one.
     # FUSE: one loop over all key blocks instead of five (one software pipeline kept full; masks
-    # decided per block at run time). It won the sliding W=256 bucket (H200 run 10).
+    # decided per block at run time). It won the sliding W=256 bucket (H200 run 10) and block D=64
+    # (runs 22, 24).
     fp32 = f["dtype"] == "fp32"
     big_d = f["D"] > 128
     fuses = (False,) if fp32 else (False, True)
@@ -156,6 +157,10 @@ def _eva_triton_space(f: dict) -> list[dict]:
     for bm, bn, w, s, fu in grid:
         if _eva_triton_fits(f, bm, bn, w, s):
             out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, **({"FUSE": True} if fu else {})})
+    if not fp32 and f["D"] <= 64:
+        # the one-loop walk with a deeper pointer pipeline (64 x 64 FUSE tiles win block D = 64; 4
+        # stages did not, run 24)
+        out += [{"BLOCK_M": 64, "BLOCK_N": bn, "num_warps": 4, "num_stages": 4, "FUSE": True} for bn in (64, 128)]
     if not fp32 and f["D"] <= 128:
         # Three programs per SM, so that one program's softmax can overlap another's MMAs: Triton 3.6
         # gives the 64-row, 4-warp tile 192 registers per thread at D = 64 (64x64) and 228 at D = 128

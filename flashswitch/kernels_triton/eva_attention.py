@@ -25,8 +25,9 @@ its log-normaliser (fp32) into scratch buffers; `_eva_combine` merges them by ls
 a row sees nothing writes o = 0, lse = -inf for that row.
 
 Softmax: fp32, base 2, with scale * log2(e) folded into the logits (and log2(e) into the summary
-bias); on blocks with neither mask nor bias the scale goes into the row max and one FMA per logit
-(a negative scale negates q, which is exact, so the kernel's scale is >= 0). The per-row running
+bias); on blocks with neither mask nor bias (and, in the FUSE loop, on every block without a bias)
+the scale goes into the row max and one FMA per logit. A negative scale negates q (exact) and scale
+0 runs as 1e-30, so the kernel's scale is > 0 and keeps masked -inf logits -inf. The per-row running
 max is clamped to 0 while it is still -inf so masked rows stay finite; p·v accumulates into the
 output tile in place. lse is stored in natural log. fp32 inputs use IEEE dot products (no tf32).
 """
@@ -162,23 +163,31 @@ def _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, stride_kn,
         v_ptrs = vb + n0.to(tl.int64) * svn + (offs_n[:, None] * svn + offs_d[None, :])
         k, v = _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale     # base-2 logits
-        if BIAS_MODE == 1:
-            bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=is_sum & (n < limit), other=0.0)
-            s += bias.to(tl.float32)[None, :] * 1.4426950408889634
-        elif BIAS_MODE == 2:
-            count = tl.minimum(C, Nk - n * C).to(tl.float32)                # tokens of chunk n
-            s += tl.where(is_sum, tl.log2(tl.maximum(count, 1.0)), 0.0)[None, :]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)                # raw q.k
         full = tl.where(is_sum, e < nb_s_full, (ee >= e_a) & (ee < e_b))
         if not full:
             lo_row = tl.where(is_sum, 0, st_row)
             hi_row = tl.where(is_sum, sc_row - 1, t_row)
             vis = (n[None, :] >= lo_row[:, None]) & (n[None, :] <= hi_row[:, None])
             s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if BIAS_MODE == 0:
+            # the scale folds into the max and into one FMA per logit (qk_scale > 0 here, so that a
+            # masked -inf stays -inf)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s * qk_scale - m_use[:, None])
+        else:
+            s = s * qk_scale                                                # base-2 logits
+            if BIAS_MODE == 1:
+                bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=is_sum & (n < limit), other=0.0)
+                s += bias.to(tl.float32)[None, :] * 1.4426950408889634
+            else:
+                count = tl.minimum(C, Nk - n * C).to(tl.float32)            # tokens of chunk n
+                s += tl.where(is_sum, tl.log2(tl.maximum(count, 1.0)), 0.0)[None, :]
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
@@ -467,6 +476,14 @@ def _tma_operands(geo: dict, q, k, v, k_sum, v_sum):
     return None if any(d is None for d in descs) else descs
 
 
+def _qk_scale(scale: float) -> float:
+    """|scale| log2(e) for the kernel (a negative scale negates q instead). Scale 0 runs as 1e-30: the
+    masked logits are -inf before the scale multiplies them, which must keep them -inf; a visible logit
+    q.k below 1e12 in magnitude then becomes one below 1e-18, whose exp2 rounds to 1 in fp32 as exp2(0)
+    does."""
+    return abs(float(scale)) * LOG2E or 1e-30
+
+
 def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sliding, scale, q_offset,
            log_count, config):
     """Fill o ([B, H, Nq, D], q's dtype) and lse (fp32 [B, H, Nq], natural log).
@@ -521,7 +538,7 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
         sb[0], sb[1], sb[2],
         so[0], so[1], so[2], so[3],
         sl[0], sl[1], sl[2], sl[3],
-        abs(float(scale)) * LOG2E,
+        _qk_scale(scale),
         SLIDING=bool(sliding), PACK_GQA=geo["PACK_GQA"], BIAS_MODE=bias_mode, EVEN_D=D == geo["BLOCK_D"],
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NEG_Q=float(scale) < 0, FUSE=geo["FUSE"],
         TMA=descs is not None,
