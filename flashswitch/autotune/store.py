@@ -198,6 +198,14 @@ def _search(data: dict, op: str, feats: dict, backend: Optional[str]) -> Optiona
     return best
 
 
+def tuned_config(path: Path, op: str, backend: str, feats: dict) -> Optional[dict]:
+    """The config `lookup` would take from the config file at `path` (exact or nearest fitting
+    bucket), or None when the file holds none for `backend`: what a device with that file runs."""
+    entry = _search(load(path), op, feats, backend)
+    cfg = None if entry is None else entry["backends"][backend].get("config")
+    return dict(cfg) if isinstance(cfg, dict) else None
+
+
 def lookup(op: str, backend: str, feats: dict) -> dict:
     """Config for `backend` on this bucket: exact bucket, else the nearest tuned bucket whose config
     fits this one (space.config_fits), else default."""

@@ -1,0 +1,194 @@
+"""Compile an op's Triton kernels for a GPU that is not here (default sm_90, the H200) with the
+installed Triton, for every config of its tuning spaces: catches the configs the compiler rejects
+(Triton 3.6's software pipeliner failing on a loop, H200 run 23) and reports registers, local memory
+(spills) and shared memory per kernel, before any device time is spent. No GPU needed.
+
+    python3 bench/compile_check.py --ops eva_attention [--shape 0 1] [--first 8] [--arch 90]
+    python3 bench/compile_check.py --tuned flashswitch/autotune/configs/NVIDIA_H200.json
+
+(--shape: indices into autotune/space.py TUNE_SHAPES, default all; --first: the first N configs of each
+space; --tuned: instead of the spaces, the configs a device with that config file runs on each shape,
+and the default; exit status 1 when a config fails to compile.) Each config runs the real launcher on CPU tensors
+with the kernels' launches recorded instead of run; the recorded arguments are specialized and compiled
+exactly as Triton's JIT would on the device. TRITON_INTERPRET must be unset (it replaces the kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _recording(module):
+    """Context manager: the module's Triton kernels record (kernel, args, kwargs) instead of launching,
+    and the CPU tensors pass the ops layer's backend check."""
+    import triton
+    from flashswitch import _common
+
+    calls: list = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.fn, args, kwargs))
+
+    @contextlib.contextmanager
+    def ctx():
+        saved = {n: getattr(module, n) for n in dir(module) if isinstance(getattr(module, n), triton.runtime.JITFunction)}
+        old_interp = _common.triton_interpret
+        try:
+            for n, fn in saved.items():
+                setattr(module, n, Recorder(fn))
+            _common.triton_interpret = lambda: True
+            yield calls
+        finally:
+            for n, fn in saved.items():
+                setattr(module, n, fn)
+            _common.triton_interpret = old_interp
+
+    return ctx()
+
+
+def compile_call(fn, args, kwargs, arch: int):
+    """Specialize (fn, args, kwargs) as Triton's JIT does and compile it for sm_<arch>."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def resource_usage(kernel) -> dict:
+    """{"regs", "local", "shared"} of a compiled kernel, from cuobjdump on its cubin."""
+    from triton.backends.nvidia import compiler as nv
+
+    tool = Path(nv.get_ptxas(90).path).with_name("cuobjdump")
+    out = {"shared": kernel.metadata.shared}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", text)
+    if m:
+        out.update(regs=int(m.group(1)), local=int(m.group(2)))
+    return out
+
+
+def shape_problem(op: str, index: int, dtype: str) -> dict:
+    """Tuning shape `index` of op on CPU tensors, at batch 1: the specialization is the same (strides
+    stay multiples of 16) in a fraction of the memory."""
+    from flashswitch import registry
+    from flashswitch.autotune import space
+
+    shape = space.TUNE_SHAPES[op][index]
+    return registry.get(op).random_problem(**({**shape, "B": 1} if "B" in shape else shape), dtype=dtype,
+                                           device="cpu", seed=0)
+
+
+def check_configs(op: str, index: int, configs, arch: int, problem: dict) -> list[dict]:
+    """Compile op's kernels as launched on `problem` (tuning shape `index`) with each config: rows of
+    {"op", "shape", "config", "ok", "kernels": [{"name", "regs", "local", "shared"}], "error"?, "s"}."""
+    from flashswitch import registry
+
+    spec = registry.get(op)
+    module = importlib.import_module(f"flashswitch.kernels_triton.{op}")
+    rows = []
+    for cfg in configs:
+        row = {"op": op, "shape": index, "config": cfg, "kernels": []}
+        t0 = time.monotonic()
+        try:
+            with _recording(module) as calls:
+                spec.kernel_callable("triton", cfg, problem)()
+            for fn, args, kwargs in calls:
+                k = compile_call(fn, args, kwargs, arch)
+                row["kernels"].append({"name": fn.__name__, **resource_usage(k)})
+            row["ok"] = True
+        except Exception as err:  # what the device would have hit
+            lines = str(err).strip().splitlines()
+            row.update(ok=False, error=f"{type(err).__name__}: {lines[-1] if lines else ''}")
+        row["s"] = round(time.monotonic() - t0, 1)
+        res = ", ".join(f"{k['name']} {k.get('regs', '?')} regs {k.get('local', '?')} B local "
+                        f"{k['shared'] // 1024} KB smem" for k in row["kernels"])
+        print(f"  {'ok  ' if row['ok'] else 'FAIL'} {json.dumps(cfg)}  {res or row.get('error', '')}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def check_op(op: str, shapes, first, arch: int, dtype: str, tuned=None) -> list[dict]:
+    """check_configs over the shapes: the first `first` configs of each space, or (tuned: a config
+    file) the config that file gives each shape and the default."""
+    from flashswitch import registry
+    from flashswitch.autotune import space, store
+
+    spec = registry.get(op)
+    rows = []
+    for index in shapes:
+        shape = space.TUNE_SHAPES[op][index]
+        problem = shape_problem(op, index, dtype)
+        feats = spec.features(problem)
+        if tuned is None:
+            configs = space.config_space(op, "triton", feats)[:first]
+        else:
+            # the file's entry tuned on this very shape, else the one nearest to its batch-1 bucket
+            entries = store.load(tuned)["ops"].get(op, {}).values()
+            own = [e["backends"]["triton"]["config"] for e in entries
+                   if e.get("shape") == shape and e.get("dtype", dtype) == dtype
+                   and isinstance(e.get("backends", {}).get("triton", {}).get("config"), dict)]
+            configs = [c for c in (own[0] if own else store.tuned_config(tuned, op, "triton", feats),
+                                   space.default_config(op, "triton", feats)) if c is not None]
+        print(f"{op} [{index}] {registry.describe(shape)} {dtype}: {len(configs)} configs", flush=True)
+        rows += check_configs(op, index, configs, arch, problem)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", nargs="+", default=["eva_attention"])
+    ap.add_argument("--shape", type=int, nargs="+", help="indices into TUNE_SHAPES (default: all)")
+    ap.add_argument("--first", type=int, default=None, help="only the first N configs of each space")
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--tuned", type=Path, help="a config file: its configs (and the defaults), not the spaces")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args(argv)
+    if triton_interpret_set():
+        ap.error("unset TRITON_INTERPRET: the interpreter replaces the kernels this compiles")
+    from flashswitch.autotune import space
+    import triton
+
+    print(f"triton {triton.__version__}, torch {torch.__version__}, target sm_{args.arch}")
+    rows = []
+    for op in args.ops:
+        shapes = args.shape if args.shape is not None else range(len(space.TUNE_SHAPES[op]))
+        rows += check_op(op, shapes, args.first, args.arch, args.dtype, args.tuned)
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(bad)} of {len(rows)} configs compile for sm_{args.arch}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 1 if bad else 0
+
+
+def triton_interpret_set() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The Triton kernels compile for sm_90 (the H200) with the installed Triton, with the configs the H200
+config file gives each tuning shape and the defaults: `bench/compile_check.py` in a process without
+the interpreter (which replaces the kernels), no GPU needed. A config the compiler rejects fails here,
+not on the device."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+H200 = ROOT / "flashswitch" / "autotune" / "configs" / "NVIDIA_H200.json"
+
+pytest.importorskip("triton")
+
+
+def _compile_check(tmp_path, *args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_check.py"), *args, "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return proc, (json.loads(out.read_text()) if out.exists() else [])
+
+
+def test_tuned_and_default_configs_compile_for_sm90(tmp_path):
+    proc, rows = _compile_check(tmp_path, "--ops", "chunk_summaries", "eva_attention", "expert_matmul",
+                                "--tuned", str(H200))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {r["op"] for r in rows} == {"chunk_summaries", "eva_attention", "expert_matmul"}
+    assert rows and all(r["ok"] and r["kernels"] for r in rows)
+    # every kernel fits the multiprocessor and does not spill
+    for r in rows:
+        for k in r["kernels"]:
+            assert k["regs"] <= 255 and k["local"] == 0 and k["shared"] <= 227 * 1024, (r["config"], k)
+
+
+def test_a_rejected_config_is_reported():
+    """A config the launcher refuses (BLOCK_M not a power of two) is a failed row, not a crash: the
+    check can fail."""
+    from importlib import util
+    spec = util.spec_from_file_location("compile_check", ROOT / "bench" / "compile_check.py")
+    mod = util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    problem = mod.shape_problem("eva_attention", 1, "bf16")
+    rows = mod.check_configs("eva_attention", 1, [{"BLOCK_M": 48, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}],
+                             90, problem)
+    assert len(rows) == 1 and not rows[0]["ok"] and "BLOCK_M" in rows[0]["error"]
