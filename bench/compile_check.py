@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 
-def _recording(module):
-    """Context manager: the module's Triton kernels record (kernel, args, kwargs) instead of launching,
-    and the CPU tensors pass the ops layer's backend check."""
+def _recording(modules):
+    """Context manager: the Triton (and Gluon) kernels of `modules` record (kernel, args, kwargs) instead
+    of launching, and CPU tensors pass the ops layer's backend check."""
     import triton
     from flashswitch import _common
 
@@ -45,19 +45,30 @@ def _recording(module):
 
     @contextlib.contextmanager
     def ctx():
-        saved = {n: getattr(module, n) for n in dir(module) if isinstance(getattr(module, n), triton.runtime.JITFunction)}
-        old_interp = _common.triton_interpret
+        saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m)
+                 if isinstance(getattr(m, n), triton.runtime.JITFunction)]
+        old_available = _common.backend_available
         try:
-            for n, fn in saved.items():
-                setattr(module, n, Recorder(fn))
-            _common.triton_interpret = lambda: True
+            for m, n, fn in saved:
+                setattr(m, n, Recorder(fn))
+            _common.backend_available = lambda backend, device: True
             yield calls
         finally:
-            for n, fn in saved.items():
-                setattr(module, n, fn)
-            _common.triton_interpret = old_interp
+            for m, n, fn in saved:
+                setattr(m, n, fn)
+            _common.backend_available = old_available
 
     return ctx()
+
+
+def _kernel_modules(op: str) -> list:
+    """The op's Triton kernel module and, where there is one, its Gluon module."""
+    out = [importlib.import_module(f"flashswitch.kernels_triton.{op}")]
+    try:
+        out.append(importlib.import_module(f"flashswitch.kernels_triton.{op}_gluon"))
+    except ImportError:
+        pass
+    return out
 
 
 def compile_call(fn, args, kwargs, arch: int):
@@ -66,28 +77,41 @@ def compile_call(fn, args, kwargs, arch: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+    except ImportError:  # a Triton without Gluon
+        GluonASTSource = GluonJITFunction = None
 
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    source = GluonASTSource if GluonJITFunction is not None and isinstance(fn, GluonJITFunction) else ASTSource
+    return triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def resource_usage(kernel) -> dict:
-    """{"regs", "local", "shared"} of a compiled kernel, from cuobjdump on its cubin."""
+def resource_usage(kernel, arch: int = 90) -> dict:
+    """{"regs", "local", "shared", "wgmma_serialized"} of a compiled kernel: cuobjdump on its cubin, and
+    whether ptxas serializes its wgmma (warnings C7514-C7515: an accumulator register touched while
+    its wgmma runs, so every wgmma waits for the previous one)."""
     from triton.backends.nvidia import compiler as nv
 
-    tool = Path(nv.get_ptxas(90).path).with_name("cuobjdump")
+    ptxas = Path(nv.get_ptxas(arch).path)
     out = {"shared": kernel.metadata.shared}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", text)
-    if m:
-        out.update(regs=int(m.group(1)), local=int(m.group(2)))
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, ptx = Path(tmp) / "k.cubin", Path(tmp) / "k.ptx"
+        cubin.write_bytes(kernel.asm["cubin"])
+        text = subprocess.run([str(ptxas.with_name("cuobjdump")), "-res-usage", str(cubin)],
+                              capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", text)
+        if m:
+            out.update(regs=int(m.group(1)), local=int(m.group(2)))
+        if "wgmma" in kernel.asm.get("ptx", ""):
+            ptx.write_text(kernel.asm["ptx"])
+            log = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(ptx), "-o", str(Path(tmp) / "v.cubin")],
+                                 capture_output=True, text=True)
+            out["wgmma_serialized"] = bool(re.search(r"C751[0-9]", log.stdout + log.stderr))
     return out
 
 
@@ -108,24 +132,25 @@ def check_configs(op: str, index: int, configs, arch: int, problem: dict) -> lis
     from flashswitch import registry
 
     spec = registry.get(op)
-    module = importlib.import_module(f"flashswitch.kernels_triton.{op}")
+    modules = _kernel_modules(op)
     rows = []
     for cfg in configs:
         row = {"op": op, "shape": index, "config": cfg, "kernels": []}
         t0 = time.monotonic()
         try:
-            with _recording(module) as calls:
+            with _recording(modules) as calls:
                 spec.kernel_callable("triton", cfg, problem)()
             for fn, args, kwargs in calls:
                 k = compile_call(fn, args, kwargs, arch)
-                row["kernels"].append({"name": fn.__name__, **resource_usage(k)})
+                row["kernels"].append({"name": fn.__name__, **resource_usage(k, arch)})
             row["ok"] = True
         except Exception as err:  # what the device would have hit
             lines = str(err).strip().splitlines()
             row.update(ok=False, error=f"{type(err).__name__}: {lines[-1] if lines else ''}")
         row["s"] = round(time.monotonic() - t0, 1)
         res = ", ".join(f"{k['name']} {k.get('regs', '?')} regs {k.get('local', '?')} B local "
-                        f"{k['shared'] // 1024} KB smem" for k in row["kernels"])
+                        f"{k['shared'] // 1024} KB smem{' wgmma serialized' if k.get('wgmma_serialized') else ''}"
+                        for k in row["kernels"])
         print(f"  {'ok  ' if row['ok'] else 'FAIL'} {json.dumps(cfg)}  {res or row.get('error', '')}", flush=True)
         rows.append(row)
     return rows
