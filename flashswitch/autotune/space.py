@@ -401,6 +401,9 @@ TUNE_SHAPES = {
         dict(B=2, H=16, Hkv=4, Nk=8192, D=128, C=16, W=1024, window="block"),
         dict(B=1, H=16, Hkv=16, Nk=32768, D=64, C=16, W=2048, window="block"),
         dict(B=8, H=32, Hkv=8, Nq=1, Nk=16384, D=128, C=16, W=1024, window="sliding"),
+        # the bench's sequence-length sweep (block D=128), whose other lengths borrow the N=32768 tile
+        dict(B=1, H=16, Hkv=16, Nk=8192, D=128, C=16, W=2048, window="block"),
+        dict(B=1, H=16, Hkv=16, Nk=65536, D=128, C=16, W=2048, window="block"),
     ],
     "expert_matmul": [  # keyword arguments of reference.expert_matmul.random_problem (its paper_shapes)
         dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True),            # SwitchHead-262M V
