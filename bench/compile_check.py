@@ -1,16 +1,17 @@
-"""Compile an op's Triton kernels for a GPU that is not here (default sm_90, the H200) with the
-installed Triton, for every config of its tuning spaces: catches the configs the compiler rejects
-(Triton 3.6's software pipeliner failing on a loop, H200 run 23) and reports registers, local memory
-(spills) and shared memory per kernel, before any device time is spent. No GPU needed.
+"""Compile an op's Triton (and Gluon) kernels for a GPU that is not here (default sm_90, the H200)
+with the installed Triton, for every config of its tuning spaces: catches the configs the compiler
+rejects (Triton 3.6's software pipeliner failing on a loop, H200 run 23) and reports per kernel the
+registers, local memory (spills), shared memory and whether ptxas serializes its wgmma, before any
+device time is spent. No GPU needed.
 
     python3 bench/compile_check.py --ops eva_attention [--shape 0 1] [--first 8] [--arch 90]
     python3 bench/compile_check.py --tuned flashswitch/autotune/configs/NVIDIA_H200.json
 
-(--shape: indices into autotune/space.py TUNE_SHAPES, default all; --first: the first N configs of each
-space; --tuned: instead of the spaces, the configs a device with that config file runs on each shape,
-and the default; exit status 1 when a config fails to compile.) Each config runs the real launcher on CPU tensors
-with the kernels' launches recorded instead of run; the recorded arguments are specialized and compiled
-exactly as Triton's JIT would on the device. TRITON_INTERPRET must be unset (it replaces the kernels).
+--shape: indices into autotune/space.py TUNE_SHAPES (default all); --first: the first N configs of
+each space; --tuned: instead of the spaces, the config that file gives each shape, and the default.
+Exit status 1 when a config fails to compile. Each config runs the real launcher on CPU tensors with
+the kernels' launches recorded instead of run; the recorded arguments are specialized and compiled as
+Triton's JIT would on the device. TRITON_INTERPRET must be unset (it replaces the kernels).
 """
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ from pathlib import Path
 import torch
 
 
+@contextlib.contextmanager
 def _recording(modules):
-    """Context manager: the Triton (and Gluon) kernels of `modules` record (kernel, args, kwargs) instead
-    of launching, and CPU tensors pass the ops layer's backend check."""
+    """The Triton (and Gluon) kernels of `modules` record (kernel, args, kwargs) into the yielded list
+    instead of launching, and CPU tensors pass the ops layer's backend check."""
     import triton
     from flashswitch import _common
 
@@ -43,22 +45,18 @@ def _recording(modules):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.append((self.fn, args, kwargs))
 
-    @contextlib.contextmanager
-    def ctx():
-        saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m)
-                 if isinstance(getattr(m, n), triton.runtime.JITFunction)]
-        old_available = _common.backend_available
-        try:
-            for m, n, fn in saved:
-                setattr(m, n, Recorder(fn))
-            _common.backend_available = lambda backend, device: True
-            yield calls
-        finally:
-            for m, n, fn in saved:
-                setattr(m, n, fn)
-            _common.backend_available = old_available
-
-    return ctx()
+    saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m)
+             if isinstance(getattr(m, n), triton.runtime.JITFunction)]
+    old_available = _common.backend_available
+    try:
+        for m, n, fn in saved:
+            setattr(m, n, Recorder(fn))
+        _common.backend_available = lambda backend, device: True
+        yield calls
+    finally:
+        for m, n, fn in saved:
+            setattr(m, n, fn)
+        _common.backend_available = old_available
 
 
 def _kernel_modules(op: str) -> list:
@@ -193,7 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tuned", type=Path, help="a config file: its configs (and the defaults), not the spaces")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
-    if triton_interpret_set():
+    from flashswitch._common import triton_interpret
+    if triton_interpret():
         ap.error("unset TRITON_INTERPRET: the interpreter replaces the kernels this compiles")
     from flashswitch.autotune import space
     import triton
@@ -208,11 +207,6 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 1 if bad else 0
-
-
-def triton_interpret_set() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 if __name__ == "__main__":
