@@ -138,6 +138,7 @@ def test_sweep_picks_fastest_and_records_failures():
     res = T.sweep_configs(configs, make_fn=lambda c: (lambda: ran.append(c["id"])), time_fn=_fake_time(table))
     assert res["config"] == {"id": 2} and res["ms"] == 1.0
     assert res["timed"] == 3 and res["complete"]
+    assert res["runners_up"] == [{"config": {"id": 4}, "ms": 2.0}, {"config": {"id": 0}, "ms": 3.0}]
     assert {f["config"]["id"] for f in res["failed"]} == {1, 3}
     assert "shared memory" in next(f["error"] for f in res["failed"] if f["config"]["id"] == 1)
     assert ran == [0, 1, 2, 3, 4]
@@ -152,7 +153,7 @@ def test_sweep_never_returns_a_wrong_config():
             raise AssertionError("v_sum: relative error nan")
 
     res = T.sweep_configs(configs, lambda c: (lambda: None), _fake_time(table), verify=verify)
-    assert res["config"] == {"id": 3}
+    assert res["config"] == {"id": 3} and res["runners_up"] == [{"config": {"id": 0}, "ms": 4.0}]
     assert [f["config"]["id"] for f in res["failed"]] == [1, 2]
     assert all(f["error"].startswith("wrong result") for f in res["failed"])
     res = T.sweep_configs(configs, lambda c: (lambda: None), _fake_time(table),

@@ -210,11 +210,13 @@ def test_never_reads_outside_the_visible_range(backend, window, G, Nq, fuse):
 @pytest.mark.parametrize("window", ["block", "sliding"])
 @pytest.mark.parametrize("pack,Nq", [(False, None), (True, None), (False, 3)])
 @pytest.mark.parametrize("bias", [None, "tensor"])
-def test_tma_descriptors(backend, window, pack, Nq, bias, monkeypatch):
-    """Config TMA (k, v and summaries through descriptors of their [B*Hkv*N, D] views): every tile
-    kind, GQA packing, decode splits; the rows a masked block reads past its limit belong to the
-    next head or hold NaN (unused cache capacity) and must not reach the output. A strided k makes
-    the launcher fall back to pointers."""
+@pytest.mark.parametrize("fuse", [False, True])
+def test_tma_descriptors(backend, window, pack, Nq, bias, fuse, monkeypatch):
+    """Config TMA (k, v and summaries through descriptors: of their [B*Hkv*N, D] views, or with FUSE
+    of [B, Hkv, N, D] cut at the last visible row): every tile kind, GQA packing, decode splits; the
+    rows a masked block reads past its limit belong to the next head or hold NaN (unused cache
+    capacity, summaries no query sees) and must not reach the output. A k stored [B, N, Hkv, D]
+    makes the five-loop walk fall back to pointers; the one-loop walk reads it by TMA."""
     if backend != "triton":
         pytest.skip("TMA is a triton config")
     from flashswitch.kernels_triton import eva_attention as kt
@@ -228,7 +230,7 @@ def test_tma_descriptors(backend, window, pack, Nq, bias, monkeypatch):
                        dtype=dtype, device=DEVICE, seed=11)
     n_sum = start_position(Nk - 1, chunk_size=C, window_size=W, window=window) // C
     _poison_unused(p, first=0, Nk=Nk, n_sum=n_sum)
-    cfg = dict(SMALL, TMA=True, PACK_GQA=pack, NUM_SPLITS=3 if Nq else 1)
+    cfg = dict(SMALL, TMA=True, FUSE=fuse, PACK_GQA=pack, NUM_SPLITS=3 if Nq else 1)
     out = _run(backend, p, config=cfg)
     assert used and used[-1] is not None
     ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
@@ -237,7 +239,7 @@ def test_tma_descriptors(backend, window, pack, Nq, bias, monkeypatch):
     assert_close("lse", out[1], ref_l, F32, baseline=base_l)
     p["k"] = p["k"].transpose(1, 2).contiguous().transpose(1, 2)  # same values, stored [B, N, Hkv, D]
     out = _run(backend, p, config=cfg)
-    assert used[-1] is None
+    assert (used[-1] is not None) == fuse
     assert_close("o", out[0], ref_o, dtype, baseline=base_o)
 
 
@@ -246,15 +248,17 @@ def test_tma_descriptors(backend, window, pack, Nq, bias, monkeypatch):
                                  dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
                                  dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)])
 @pytest.mark.parametrize("D,Hkv", [(128, 4), (64, 2)])
-def test_tma_tuned_tiles(cfg, D, Hkv):
-    """The TMA tiles the H200 tuner picks for block windows, on a problem with ragged tiles (Nq and
-    q_offset not tile multiples, packed GQA) and NaN in the unused cache capacity past Nk."""
+@pytest.mark.parametrize("window,fuse", [("block", False), ("block", True), ("sliding", True)])
+def test_tma_tuned_tiles(cfg, D, Hkv, window, fuse):
+    """The TMA tiles the H200 tuner picks (five-loop walk for block windows, one-loop walk for both),
+    on a problem with ragged tiles (Nq and q_offset not tile multiples, packed GQA) and NaN in the
+    unused cache capacity past Nk and in the summaries no query sees."""
     C, W, Nk, cap = 16, 256, 1000, 1100
-    p = random_problem(2, 8, Hkv, 700, cap, D, C, W, window="block", summary_bias="log_count", q_offset=Nk - 700,
+    p = random_problem(2, 8, Hkv, 700, cap, D, C, W, window=window, summary_bias="log_count", q_offset=Nk - 700,
                        dtype=torch.bfloat16, device=DEVICE, seed=D)
-    n_sum = start_position(Nk - 1, chunk_size=C, window_size=W, window="block") // C
+    n_sum = start_position(Nk - 1, chunk_size=C, window_size=W, window=window) // C
     _poison_unused(p, first=0, Nk=Nk, n_sum=n_sum)
-    out = _run("triton", p, config=dict(cfg, TMA=True))
+    out = _run("triton", p, config=dict(cfg, TMA=True, FUSE=fuse))
     ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
     assert_close("o", out[0], ref_o, torch.bfloat16)
     assert_close("lse", out[1], ref_l, torch.bfloat16)

@@ -35,6 +35,7 @@ from flashswitch.autotune import space, store
 KERNEL_BACKENDS = ("triton", "cuda", "cupy")
 DEFAULT_BUDGET_S = 480.0
 MAX_RECORDED_FAILURES = 10
+RUNNERS_UP = 4  # the next-fastest configs kept beside the winner: how close the race was
 
 # time_fn(fn, *, backend, config) -> milliseconds (median); the default is `bench_ms`
 TimeFn = Callable[..., float]
@@ -80,8 +81,9 @@ def sweep_configs(configs: Iterable[dict], make_fn: Callable[[dict], Callable[[]
     `make_fn(config)` gives the callable to time; `time_fn(fn, config)` its median ms; `verify(config)`
     raises when the config's output is wrong. Configs whose build, run or timing raises, or whose
     time is not a positive finite number, are skipped. Stops timing at `deadline`
-    (time.monotonic()). Returns {"config", "ms", "timed", "failed", "complete"} with "config" None
-    when no config was both timed and verified; "failed" lists {"config", "error"}.
+    (time.monotonic()). Returns {"config", "ms", "timed", "runners_up", "failed", "complete"} with
+    "config" None when no config was both timed and verified; "runners_up" lists {"config", "ms"} of the
+    next RUNNERS_UP fastest timed configs; "failed" lists {"config", "error"}.
     """
     timed: list[tuple[float, int, dict]] = []
     failed: list[dict] = []
@@ -102,8 +104,9 @@ def sweep_configs(configs: Iterable[dict], make_fn: Callable[[dict], Callable[[]
         if on_config is not None:
             on_config(cfg)
     timed.sort(key=lambda t: (t[0], t[1]))
-    best = {"config": None, "ms": None, "timed": len(timed), "failed": failed, "complete": complete}
-    for ms, _, cfg in timed:
+    best = {"config": None, "ms": None, "timed": len(timed), "runners_up": [], "failed": failed,
+            "complete": complete}
+    for rank, (ms, _, cfg) in enumerate(timed):
         if verify is not None:
             try:
                 verify(cfg)
@@ -112,7 +115,8 @@ def sweep_configs(configs: Iterable[dict], make_fn: Callable[[dict], Callable[[]
             except Exception as err:
                 failed.append({"config": cfg, "error": "wrong result: " + _short(err)})
                 continue
-        best.update(config=cfg, ms=ms)
+        best.update(config=cfg, ms=ms,
+                    runners_up=[{"config": c, "ms": m} for m, _, c in timed[rank + 1:rank + 1 + RUNNERS_UP]])
         break
     return best
 
@@ -365,7 +369,7 @@ def _tune_bucket(spec: registry.OpSpec, problem: dict, shape: dict, dt: str, ker
                                  "first": result["failed"][:MAX_RECORDED_FAILURES]}
         if result["config"] is not None:
             per_backend[backend] = {"config": result["config"], "ms": result["ms"], "timed": result["timed"],
-                                    **spec.throughput(problem, result["ms"])}
+                                    **spec.throughput(problem, result["ms"]), "runners_up": result["runners_up"]}
         if not result["complete"]:
             break
     if not per_backend:  # no kernel gave a verified config: record nothing for this bucket

@@ -143,25 +143,39 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, s
 @triton.jit
 def _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, stride_kn, stride_vn, stride_ksn, stride_vsn,
                   bias_base, stride_bc, blk_lo, blk_hi, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
-                  st_row, t_row, sc_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                  BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+                  st_row, t_row, sc_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, b32, hkv32,
+                  BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, TMA: tl.constexpr):
     """The same key blocks as the five `_attend` loops, in one loop (FUSE): summary blocks [0, nb_s),
     then exact blocks; a block takes the mask only where some row of the tile does not see all of it.
     One loop keeps one software pipeline full where the five would each be a few blocks long and
-    start cold (short sliding windows)."""
+    start cold (short sliding windows). TMA: the four bases are [B, Hkv, rows, D] descriptors whose
+    rows stop at the last key / summary any query sees, so that a block reading past them gets zeros
+    (v needs no zeroing); the rows it reads below that but past `limit` are keys and summaries of
+    later queries, which the mask gives p = 0."""
     for e in range(blk_lo, blk_hi):
         is_sum = e < nb_s
         ee = e - nb_s
         n0 = tl.where(is_sum, e * BLOCK_N, st_min + ee * BLOCK_N)
         limit = tl.where(is_sum, c_hi, t_max + 1)
-        kb = tl.where(is_sum, ks_base, k_base)
-        vb = tl.where(is_sum, vs_base, v_base)
-        skn = tl.where(is_sum, stride_ksn, stride_kn)
-        svn = tl.where(is_sum, stride_vsn, stride_vn)
         n = n0 + offs_n
-        k_ptrs = kb + n0.to(tl.int64) * skn + (offs_n[:, None] * skn + offs_d[None, :])
-        v_ptrs = vb + n0.to(tl.int64) * svn + (offs_n[:, None] * svn + offs_d[None, :])
-        k, v = _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D)
+        if TMA:
+            if is_sum:
+                kd = ks_base
+                vd = vs_base
+            else:
+                kd = k_base
+                vd = v_base
+            k = kd.load([b32, hkv32, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = vd.load([b32, hkv32, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            kb = tl.where(is_sum, ks_base, k_base)
+            vb = tl.where(is_sum, vs_base, v_base)
+            skn = tl.where(is_sum, stride_ksn, stride_kn)
+            svn = tl.where(is_sum, stride_vsn, stride_vn)
+            k_ptrs = kb + n0.to(tl.int64) * skn + (offs_n[:, None] * skn + offs_d[None, :])
+            v_ptrs = vb + n0.to(tl.int64) * svn + (offs_n[:, None] * svn + offs_d[None, :])
+            k, v = _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)                # raw q.k
         full = tl.where(is_sum, e < nb_s_full, (ee >= e_a) & (ee < e_b))
@@ -267,7 +281,8 @@ def _eva_fwd(
     if NEG_Q:  # a negative scale: q -> -q (exact) and qk_scale = |scale| log2(e)
         q = -q
 
-    if TMA:  # descriptors of the [B * Hkv * N, D] views (32-bit rows: the launcher checked the size)
+    if TMA:  # descriptors: of the [B * Hkv * N, D] views (32-bit rows: the launcher checked the size);
+        # with FUSE of the [B, Hkv, N, D] tensors
         k_base = k_ptr
         v_base = v_ptr
         ks_base = ks_ptr
@@ -293,7 +308,8 @@ def _eva_fwd(
                                       stride_kn, stride_vn, stride_ksn, stride_vsn, bias_base, stride_bc,
                                       blk_lo, blk_hi, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                                       st_row, t_row, sc_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                                      BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+                                      b.to(tl.int32), hkv.to(tl.int32), BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N,
+                                      BLOCK_D, TMA)
     else:
         # summaries every row sees
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
@@ -416,8 +432,13 @@ def _register_cap(cfg: dict) -> dict:
     return {"maxnreg": cap}
 
 
+def _window_start(t: int, C: int, W: int, sliding: bool) -> int:
+    """start(t) of the SPEC on the host: the first exact key position t sees."""
+    return (max(t - W + 1, 0) // C) * C if sliding else (t // W) * W
+
+
 def _visible_blocks(t: int, C: int, W: int, sliding: bool, Nc: int, block_n: int) -> int:
-    start = (max(t - W + 1, 0) // C) * C if sliding else (t // W) * W
+    start = _window_start(t, C, W, sliding)
     return -(-min(start // C, Nc) // block_n) + -(-(W + C) // block_n)
 
 
@@ -467,12 +488,30 @@ def _row_descriptor(t: torch.Tensor, block_n: int, block_d: int):
     return TensorDescriptor.from_tensor(t.view(B * H * N, D), [block_n, block_d])
 
 
-def _tma_operands(geo: dict, q, k, v, k_sum, v_sum):
-    """(k, v, k_sum, v_sum) as TMA descriptors for config TMA (fp16/bf16, the five-loop walk), or None
-    when any of them cannot be one: the kernel then reads through pointers."""
-    if not geo["TMA"] or geo["FUSE"] or q.dtype not in (torch.float16, torch.bfloat16):
+def _clipped_descriptor(t: torch.Tensor, rows: int, block_n: int, block_d: int):
+    """A TMA descriptor of t [B, H, N, D] (any strides TMA takes) that ends at row `rows` of each
+    (batch, head): a box past it reads zeros. None where TMA cannot read t."""
+    B, H, N, D = t.shape
+    esize = t.element_size()
+    if (TensorDescriptor is None or t.numel() == 0 or D != block_d or block_n > 256 or t.stride(3) != 1
+            or t.data_ptr() % 16 or any((s * esize) % 16 for s in t.stride()[:3])):
         return None
-    descs = [_row_descriptor(t, geo["BLOCK_N"], geo["BLOCK_D"]) for t in (k, v, k_sum, v_sum)]
+    return TensorDescriptor(t, [B, H, max(1, min(rows, N)), D], list(t.stride()), [1, 1, block_n, block_d])
+
+
+def _tma_operands(geo: dict, q, k, v, k_sum, v_sum, n_keys: int, n_sums: int):
+    """(k, v, k_sum, v_sum) as TMA descriptors for config TMA (fp16/bf16), or None when any of them
+    cannot be one: the kernel then reads through pointers. The five-loop walk takes [B*Hkv*N, D] row
+    views (contiguous tensors); the one-loop walk (FUSE) [B, Hkv, N, D] descriptors that end at the
+    n_keys keys and n_sums summaries some query sees."""
+    if not geo["TMA"] or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    bn, bd = geo["BLOCK_N"], geo["BLOCK_D"]
+    if geo["FUSE"]:
+        descs = [_clipped_descriptor(t, n, bn, bd) for t, n in ((k, n_keys), (v, n_keys), (k_sum, n_sums),
+                                                                 (v_sum, n_sums))]
+    else:
+        descs = [_row_descriptor(t, bn, bd) for t in (k, v, k_sum, v_sum)]
     return None if any(d is None for d in descs) else descs
 
 
@@ -494,8 +533,7 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
     config: BLOCK_M, BLOCK_N, num_warps, num_stages, optional NUM_SPLITS (0: automatic; default 0
     for Nq <= 16, else 1), PACK_GQA (default: when H > Hkv), FUSE (one loop over all key blocks;
     default off), TMA (k, v and the summaries read by the tensor memory accelerator through
-    descriptors of their [B*Hkv*N, D] views; fp16/bf16, contiguous, D a power of two, not with FUSE;
-    otherwise ignored) and maxnreg (a register cap per thread; default none).
+    descriptors; fp16/bf16, D a power of two; contiguous tensors unless with FUSE; otherwise ignored) and maxnreg (a register cap per thread; default none).
     """
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
@@ -524,7 +562,8 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
         so = (0,) + o.stride()[:3]
         sl = (0,) + lse.stride()
 
-    descs = _tma_operands(geo, q, k, v, k_sum, v_sum)
+    t_last = q_offset + Nq - 1  # the last query: it sees the most keys and summaries
+    descs = _tma_operands(geo, q, k, v, k_sum, v_sum, t_last + 1, min(_window_start(t_last, C, W, sliding) // C, Nc))
     kv = descs if descs is not None else (k, v, k_sum, v_sum)
     grid = (geo["n_row_blocks"], B * (Hkv if geo["PACK_GQA"] else H), splits)
     _eva_fwd[grid](
