@@ -16,8 +16,10 @@ the tile sees in full (summaries below start(t_min) / C, exact keys inside [star
 run without any mask; the few others compare positions per element. Fully invisible blocks are
 never visited, so the work is proportional to the visible pairs, and nothing outside the two
 intervals reaches the output (k/v past t_max and summaries past the last visible one may hold
-anything, e.g. unused cache capacity): pointer loads mask those rows, and with config TMA (tiles
-loaded by the tensor memory accelerator through descriptors) a masked block zeroes them in v.
+anything, e.g. unused cache capacity): pointer loads mask those rows; with config TMA (tiles loaded
+by the tensor memory accelerator through descriptors) the five loops zero them in v on masked
+blocks, and the FUSE loop's descriptors end at the last key and summary any query sees, so that
+rows past them arrive as zeros.
 
 With NUM_SPLITS > 1 (flash-decoding) the list of key blocks of each tile is cut into NUM_SPLITS
 contiguous pieces, one per program along grid axis 2. Each writes a normalised partial output and
