@@ -6,12 +6,15 @@ hits every variant alike; each cell is the median over rounds.
     python3 bench/config_ab.py eva_attention 3 '{}' '{"EVICT": true}' '{"LAZY": true}' [--rounds 5]
 
 (op, index into autotune/space.py TUNE_SHAPES, then variants: JSON updates of the tuned config, '{}'
-being the tuned config itself; bf16, triton unless --backend.) For expert_matmul the variant
-'"route"' times route() alone (keys, sort, offsets), the rest of a call being the kernels.
+being the tuned config itself; bf16, triton unless --backend.) A JSON string names a baseline of the
+op's bench suite (bench_<op>.py BUILDERS), timed in the same rounds: '"flex"' for eva_attention
+pairs the kernel with FlexAttention under the same clocks and temperature. For expert_matmul the
+variant '"route"' times route() alone (keys, sort, offsets), the rest of a call being the kernels.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 
@@ -46,8 +49,10 @@ def main(argv=None) -> int:
     fns, names = [], []
     for v in args.variants:
         upd = json.loads(v)
-        if upd == "route":
+        if upd == "route" and args.op == "expert_matmul":
             fns.append(_route_only(problem))
+        elif isinstance(upd, str):
+            fns.append(importlib.import_module(f"bench_{args.op}").BUILDERS[upd](problem))
         else:
             fns.append(spec.kernel_callable(args.backend, {**tuned, **upd}, problem))
         names.append(v)
