@@ -535,7 +535,8 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
     config: BLOCK_M, BLOCK_N, num_warps, num_stages, optional NUM_SPLITS (0: automatic; default 0
     for Nq <= 16, else 1), PACK_GQA (default: when H > Hkv), FUSE (one loop over all key blocks;
     default off), TMA (k, v and the summaries read by the tensor memory accelerator through
-    descriptors; fp16/bf16, D a power of two; contiguous tensors unless with FUSE; otherwise ignored) and maxnreg (a register cap per thread; default none).
+    descriptors; fp16/bf16, D a power of two; contiguous tensors unless with FUSE; otherwise
+    ignored) and maxnreg (a register cap per thread; default none).
     """
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
