@@ -112,6 +112,20 @@ def test_decode_splits(backend, Nq, splits, pack, fuse):
     _check(_run(backend, p, config=dict(SMALL, NUM_SPLITS=splits, PACK_GQA=pack, FUSE=fuse)), p)
 
 
+@pytest.mark.parametrize("scale", [0.3, -0.3])
+@pytest.mark.parametrize("fuse,tma", [(False, False), (True, False), (True, True)])
+def test_q_in_registers(backend, scale, fuse, tma):
+    """Config QREG (q multiplied by a run-time +-1 so that q.k takes it from registers) gives the same
+    answer, a negative scale included, in both walks and with TMA tiles."""
+    if backend != "triton":
+        pytest.skip("QREG is a triton config")
+    dtype = torch.bfloat16 if GPU else torch.float16
+    p = random_problem(1, 4, 2, 90, 203, 64 if GPU else 16, 4, 32, window="sliding", summary_bias="log_count",
+                       q_offset=101, dtype=dtype, device=DEVICE, seed=3)
+    cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3) if GPU else dict(SMALL)
+    _check(_run(backend, p, scale, config=dict(cfg, QREG=True, FUSE=fuse, TMA=tma)), p, scale)
+
+
 def test_register_cap_config(backend):
     """Config maxnreg (a register cap per thread, a Triton launch option) gives the same answer; a
     cap Triton cannot take is a ValueError naming the key."""
@@ -246,7 +260,9 @@ def test_tma_descriptors(backend, window, pack, Nq, bias, fuse, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
                                  dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-                                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)])
+                                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
+                                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, QREG=True),
+                                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, QREG=True)])
 @pytest.mark.parametrize("D,Hkv", [(128, 4), (64, 2)])
 @pytest.mark.parametrize("window,fuse", [("block", False), ("block", True), ("sliding", True)])
 def test_tma_tuned_tiles(cfg, D, Hkv, window, fuse):

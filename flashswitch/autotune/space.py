@@ -189,7 +189,11 @@ def _eva_triton_space(f: dict) -> list[dict]:
                      for (bm, bn, w), s in itertools.product(((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8)),
                                                              (2, 3, 4))
                      if _eva_triton_fits(f, bm, bn, w, s, smem_kb=224)]
-        out = fused_tma + out
+        # q held in registers for q.k (RS wgmma: the 64 x 64 tile otherwise reads both operands from
+        # shared memory, at 32 flop/byte its bandwidth's limit); ptxas serializes the wgmma of the
+        # tiles with BLOCK_N == D (sm_90 SASS, Triton 3.6 and 3.8), so only the others
+        qreg = [{**c, "QREG": True} for c in fused_tma if c["BLOCK_N"] != f["D"]]
+        out = qreg + fused_tma + out
     return out
 
 

@@ -223,9 +223,9 @@ def _eva_fwd(
     stride_bb, stride_bh, stride_bc,
     stride_os, stride_ob, stride_oh, stride_om,
     stride_ls, stride_lb, stride_lh, stride_lm,
-    qk_scale,
+    qk_scale, q_sign,
     SLIDING: tl.constexpr, PACK_GQA: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PREC: tl.constexpr, NEG_Q: tl.constexpr, FUSE: tl.constexpr, TMA: tl.constexpr,
+    DOT_PREC: tl.constexpr, NEG_Q: tl.constexpr, Q_REG: tl.constexpr, FUSE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = n_row_blocks - 1 - tl.program_id(0)     # the longest rows first
@@ -280,7 +280,9 @@ def _eva_fwd(
     row_off_q = h_row.to(tl.int64) * stride_qh + i_row.to(tl.int64) * stride_qm
     q_ptrs = q_ptr + b * stride_qb + row_off_q[:, None] + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
-    if NEG_Q:  # a negative scale: q -> -q (exact) and qk_scale = |scale| log2(e)
+    if Q_REG:  # q times a run-time +-1 (exact): a computed operand, which q.k then takes from registers
+        q = (q * q_sign).to(q_ptr.dtype.element_ty)  # (RS wgmma) where a loaded q is read from shared memory
+    elif NEG_Q:  # a negative scale: q -> -q (exact) and qk_scale = |scale| log2(e)
         q = -q
 
     if TMA:  # descriptors: of the [B * Hkv * N, D] views (32-bit rows: the launcher checked the size);
@@ -474,7 +476,8 @@ def plan(q, k, k_sum, *, chunk_size, window_size, sliding, q_offset, config):
         n_blocks = _visible_blocks(t_last, chunk_size, window_size, sliding, Nc, block_n)
         splits = auto_splits(programs, n_blocks, _sm_count(q.device))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PACK_GQA=pack, NUM_SPLITS=splits,
-                FUSE=bool(cfg.get("FUSE", False)), TMA=bool(cfg.get("TMA", False)), launch=_register_cap(cfg),
+                FUSE=bool(cfg.get("FUSE", False)), Q_REG=bool(cfg.get("QREG", False)),
+                TMA=bool(cfg.get("TMA", False)), launch=_register_cap(cfg),
                 rows=rows, n_row_blocks=n_row_blocks, num_warps=int(cfg["num_warps"]),
                 num_stages=int(cfg["num_stages"]))
 
@@ -536,7 +539,8 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
     for Nq <= 16, else 1), PACK_GQA (default: when H > Hkv), FUSE (one loop over all key blocks;
     default off), TMA (k, v and the summaries read by the tensor memory accelerator through
     descriptors; fp16/bf16, D a power of two; contiguous tensors unless with FUSE; otherwise
-    ignored) and maxnreg (a register cap per thread; default none).
+    ignored), QREG (q held in registers for q.k: RS instead of SS wgmma on Hopper; default off) and
+    maxnreg (a register cap per thread; default none).
     """
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
@@ -580,10 +584,10 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
         sb[0], sb[1], sb[2],
         so[0], so[1], so[2], so[3],
         sl[0], sl[1], sl[2], sl[3],
-        _qk_scale(scale),
+        _qk_scale(scale), -1.0 if float(scale) < 0 else 1.0,
         SLIDING=bool(sliding), PACK_GQA=geo["PACK_GQA"], BIAS_MODE=bias_mode, EVEN_D=D == geo["BLOCK_D"],
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NEG_Q=float(scale) < 0, FUSE=geo["FUSE"],
-        TMA=descs is not None,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NEG_Q=float(scale) < 0, Q_REG=geo["Q_REG"],
+        FUSE=geo["FUSE"], TMA=descs is not None,
         BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"], BLOCK_D=geo["BLOCK_D"],
         num_warps=geo["num_warps"], num_stages=geo["num_stages"], **geo["launch"],
     )
