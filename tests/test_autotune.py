@@ -135,13 +135,37 @@ def test_sweep_picks_fastest_and_records_failures():
     configs = [{"id": i} for i in range(5)]
     table = {0: 3.0, 1: RuntimeError("out of resources: shared memory"), 2: 1.0, 3: float("nan"), 4: 2.0}
     ran = []
-    res = T.sweep_configs(configs, make_fn=lambda c: (lambda: ran.append(c["id"])), time_fn=_fake_time(table))
+    res = T.sweep_configs(configs, make_fn=lambda c: (lambda: ran.append(c["id"])), time_fn=_fake_time(table),
+                          final_rounds=0)
     assert res["config"] == {"id": 2} and res["ms"] == 1.0
     assert res["timed"] == 3 and res["complete"]
     assert res["runners_up"] == [{"config": {"id": 4}, "ms": 2.0}, {"config": {"id": 0}, "ms": 3.0}]
     assert {f["config"]["id"] for f in res["failed"]} == {1, 3}
     assert "shared memory" in next(f["error"] for f in res["failed"] if f["config"]["id"] == 1)
     assert ran == [0, 1, 2, 3, 4]
+
+
+def test_sweep_final_rounds_rank_by_median():
+    """A config whose sweep timing was a lucky draw loses the final to one that is faster round after
+    round; configs outside the final keep their sweep times; one failing in the final drops out."""
+    configs = [{"id": i} for i in range(8)]
+    draws = {0: [1.0, 3.0, 3.0, 3.0], 1: [1.5, 2.0, 2.0, 2.0], 2: [1.6, 1.6, 1.6, 9.0],
+             3: [1.7, RuntimeError("launch failed")], 4: [1.8] * 4, 5: [1.9] * 4, 6: [5.0], 7: [6.0]}
+    calls = {i: 0 for i in draws}
+
+    def time_fn(fn, cfg):
+        t = draws[cfg["id"]][min(calls[cfg["id"]], len(draws[cfg["id"]]) - 1)]
+        calls[cfg["id"]] += 1
+        if isinstance(t, Exception):
+            raise t
+        return t
+
+    res = T.sweep_configs(configs, lambda c: (lambda: None), time_fn, final_rounds=3)
+    assert res["config"] == {"id": 2} and res["ms"] == 1.6
+    assert [r["config"]["id"] for r in res["runners_up"]] == [4, 1, 0, 5]  # the final first, then the sweep
+    assert [r["ms"] for r in res["runners_up"]] == [1.8, 2.0, 3.0, 1.9]
+    assert calls[5] == 1 and calls[6] == 1 and calls[1] == 4
+    assert any(f["config"]["id"] == 3 and f["error"].startswith("final round") for f in res["failed"])
 
 
 def test_sweep_never_returns_a_wrong_config():
