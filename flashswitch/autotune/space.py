@@ -185,15 +185,16 @@ def _eva_triton_space(f: dict) -> list[dict]:
         # the one-loop walk with k/v/summary tiles by TMA ([B, Hkv, N, D] descriptors cut at the last
         # visible row): no address arithmetic nor load masks per block (304 instead of 352 instructions
         # per 64 x 64 block at D = 64, sm_90 SASS). 256-row tiles (16 warps) read each k/v tile from L2
-        # once for 4 warpgroups: the 64-row tile's L2 traffic is its limit at D = 128 (Nsight, run 15).
-        # First, for a tuning budget cut short.
+        # once for 4 warpgroups (L2 traffic limits the 64-row tile at D = 128, Nsight run 15; at D = 128
+        # ptxas serializes their wgmma, 1.24 ms vs 1.20 for 128 x 128 in run 33). First, for a tuning
+        # budget cut short.
         tiles = ((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8), (256, 64, 16))
         fused_tma = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "FUSE": True, "TMA": True}
                      for (bm, bn, w), s in itertools.product(tiles, (2, 3, 4))
                      if _eva_triton_fits(f, bm, bn, w, s, smem_kb=224)]
-        # q held in registers for q.k (RS wgmma: the 64 x 64 tile otherwise reads both operands from
-        # shared memory, at 32 flop/byte its bandwidth's limit); ptxas serializes the wgmma of the
-        # tiles with BLOCK_N == D (sm_90 SASS, Triton 3.6 and 3.8), so only the others
+        # q held in registers for q.k (RS wgmma; a loaded q is read from shared memory by each q.k
+        # wgmma): even at block D = 128 (run 32), but a tuning option; ptxas serializes the wgmma of
+        # the tiles with BLOCK_N == D (sm_90 SASS, Triton 3.6 and 3.8), so only the others
         qreg = [{**c, "QREG": True} for c in fused_tma if c["BLOCK_N"] != f["D"] and c["num_warps"] < 16]
         out = qreg + fused_tma + out
     return out

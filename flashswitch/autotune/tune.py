@@ -102,10 +102,7 @@ def sweep_configs(configs: Iterable[dict], make_fn: Callable[[dict], Callable[[]
             complete = False
             break
         try:
-            ms = float(time_fn(make_fn(cfg), cfg))
-            if not (math.isfinite(ms) and ms > 0):
-                raise ValueError(f"timing gave {ms}")
-            timed.append((ms, i, cfg))
+            timed.append((_timed_ms(time_fn, make_fn(cfg), cfg), i, cfg))
         except KeyboardInterrupt:
             raise
         except Exception as err:  # a config that does not compile / launch / fit is just skipped
@@ -132,6 +129,14 @@ def sweep_configs(configs: Iterable[dict], make_fn: Callable[[dict], Callable[[]
     return best
 
 
+def _timed_ms(time_fn, fn, cfg: dict) -> float:
+    """time_fn(fn, cfg), which must be a positive finite number of ms."""
+    ms = float(time_fn(fn, cfg))
+    if not (math.isfinite(ms) and ms > 0):
+        raise ValueError(f"timing gave {ms}")
+    return ms
+
+
 def _final(timed: list, make_fn, time_fn, rounds: int, failed: list) -> list:
     """`timed` (sorted (ms, index, config)) with its first 1 + RUNNERS_UP entries re-timed in `rounds`
     interleaved rounds and re-ranked by their median; the rest keep their sweep times behind them."""
@@ -144,16 +149,14 @@ def _final(timed: list, make_fn, time_fn, rounds: int, failed: list) -> list:
             if j in dropped:
                 continue
             try:
-                ms = float(time_fn(fn, cfg))
-                if not (math.isfinite(ms) and ms > 0):
-                    raise ValueError(f"timing gave {ms}")
-                times[j].append(ms)
+                times[j].append(_timed_ms(time_fn, fn, cfg))
             except KeyboardInterrupt:
                 raise
             except Exception as err:
                 dropped.add(j)
                 failed.append({"config": cfg, "error": "final round: " + _short(err)})
-    final = sorted((statistics.median(times[j]), i, cfg) for j, (_, i, cfg) in enumerate(head) if j not in dropped)
+    final = sorted((statistics.median(times[j]), i, cfg)
+                   for j, (_, i, cfg) in enumerate(head) if j not in dropped)
     return final + tail
 
 
