@@ -193,7 +193,7 @@ def _eva_triton_space(f: dict) -> list[dict]:
                      for (bm, bn, w), s in itertools.product(tiles, (2, 3, 4))
                      if _eva_triton_fits(f, bm, bn, w, s, smem_kb=224)]
         # q held in registers for q.k (RS wgmma; a loaded q is read from shared memory by each q.k
-        # wgmma): even at block D = 128 (run 32), but a tuning option; ptxas serializes the wgmma of
+        # wgmma): no gain at block D = 128 (run 32), kept as a tuning option; ptxas serializes the wgmma of
         # the tiles with BLOCK_N == D (sm_90 SASS, Triton 3.6 and 3.8), so only the others
         qreg = [{**c, "QREG": True} for c in fused_tma if c["BLOCK_N"] != f["D"] and c["num_warps"] < 16]
         out = qreg + fused_tma + out
