@@ -280,6 +280,36 @@ def test_tma_tuned_tiles(cfg, D, Hkv, window, fuse):
     assert_close("lse", out[1], ref_l, torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(BLOCK_N=64, num_stages=2), dict(BLOCK_N=64, num_stages=4),
+                                 dict(BLOCK_N=128, num_stages=2)])
+@pytest.mark.parametrize("D,G", [(64, 1), (128, 2), (32, 1)])
+@pytest.mark.parametrize("window,C,W", [("block", 16, 256), ("sliding", 8, 72), ("block", 4, 4)])
+@pytest.mark.parametrize("bias,dtype,prefill", [(None, torch.bfloat16, False), ("log_count", torch.bfloat16, False),
+                                                (None, torch.float16, True)])
+def test_gluon_kernel(cfg, D, G, window, C, W, bias, dtype, prefill, monkeypatch):
+    """Config GLUON (the warp-specialized Hopper kernel) against the oracle on ragged tiles: chunked
+    prefill (Nq and q_offset not tile multiples) with NaN in the cache capacity past Nk and in the
+    summaries no query sees, and a whole prefill in fp16; the kernel must have run (not the Triton
+    fallback)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for sm_90")
+    from flashswitch.kernels_triton import eva_attention_gluon as glu
+    ran = []
+    real = glu.launch
+    monkeypatch.setattr(glu, "launch", lambda *a, **kw: (ran.append(1), real(*a, **kw)))
+    Nk, cap, Nq = (700, 700, 700) if prefill else (700, 800, 300)
+    p = random_problem(2, 2 * G, 2, Nq, cap, D, C, W, window=window, summary_bias=bias, q_offset=Nk - Nq,
+                       dtype=dtype, device=DEVICE, seed=D + C)
+    n_sum = start_position(Nk - 1, chunk_size=C, window_size=W, window=window) // C
+    _poison_unused(p, first=0, Nk=Nk, n_sum=n_sum)
+    out = _run("triton", p, config=dict(cfg, GLUON=True, BLOCK_M=128, num_warps=8))
+    assert ran, "the Gluon kernel did not take the problem"
+    ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
+    assert_close("o", out[0], ref_o, dtype)
+    assert_close("lse", out[1], ref_l, dtype)
+
+
 def _space_problem(window, decode, device):
     return random_problem(1, 4, 2, 9 if decode else None, 300 if decode else 160, 32, 4, 32, window=window,
                           summary_bias="log_count", dtype=torch.float16, device=device, seed=4)

@@ -550,6 +550,12 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
         raise ValueError(f"q has head dim {D}; the triton backend supports D <= {MAX_HEAD_DIM}")
     C, W = int(chunk_size), int(window_size)
     q_offset = int(q_offset)
+    if config and config.get("GLUON"):  # the warp-specialized Hopper kernel, where it applies
+        from flashswitch.kernels_triton import eva_attention_gluon as glu
+        if glu.supports(q, k, v, k_sum, v_sum, bias, scale, config):
+            glu.launch(q, k, v, k_sum, v_sum, o, lse, chunk_size=C, window_size=W, sliding=sliding, scale=scale,
+                       q_offset=q_offset, log_count=log_count, config=config)
+            return
     G = H // Hkv
     geo = plan(q, k, k_sum, chunk_size=C, window_size=W, sliding=sliding, q_offset=q_offset, config=config)
     splits = geo["NUM_SPLITS"]

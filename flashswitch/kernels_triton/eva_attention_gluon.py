@@ -1,0 +1,296 @@
+"""Op 2 forward in Gluon for Hopper (sm_90): the same walk over summary and exact key blocks as
+`eva_attention._attend_fused`, in FlashAttention-3's structure, which Triton's compiler does not
+emit on sm_90:
+
+- a producer warp (its own partition, 24 registers) issues the TMA of each key block's k and v into
+  a ring of NUM_STAGES shared-memory stages, waiting on an "empty" mbarrier per stage, and signals a
+  "ready" mbarrier with the bytes; no CTA barrier is involved;
+- one consumer warpgroup (64 query rows) issues the wgmma by hand so that it overlaps its own
+  softmax with its tensor-core work: in iteration e, q·k of block e + 1 is in flight while it
+  rescales and issues p·v of block e, and p·v of block e while it computes the softmax of block
+  e + 1; once p·v of block e retires, it releases block e's stage. Several programs per
+  multiprocessor fill each other's gaps.
+
+k, v and the summaries are read through [B * Hkv, rows, D] descriptors whose rows stop at the last
+key and the last summary any query sees: a block reading past them gets zeros, and the rows it reads
+below that but past its limit (keys and summaries of later queries) are masked out of the logits,
+so p = 0 there and v needs no zeroing. Fast path only: fp16/bf16, contiguous q/k/v/summaries, D a
+power of two in [16, 128], no PACK_GQA, no key splits, no tensor bias, scale >= 0 (`supports`);
+other problems take the Triton kernel.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashswitch._common import triton_interpret
+from flashswitch.kernels_triton.eva_attention import _qk_scale, _window_start
+
+# Triton 3.6 names the barrier of a program's (or a partition's) warps thread_barrier, 3.8 barrier
+_warps_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+BLOCK_M = gl.constexpr(128)  # rows per program: two consumer warpgroups of 64 rows
+
+
+@gluon.jit
+def _start(t, C, W, SLIDING: gl.constexpr):
+    if SLIDING:
+        s = (gl.maximum(t - W + 1, 0) // C) * C
+    else:
+        s = (t // W) * W
+    return s
+
+
+@gluon.jit
+def _block_span(e, nb_s, st_min, c_hi, t_max, BLOCK_N: gl.constexpr):
+    """(is_sum, ee, n0, limit) of key block e: summary blocks [0, nb_s), then exact blocks from st_min;
+    rows at or past `limit` are not visible to any row of the tile."""
+    is_sum = e < nb_s
+    ee = e - nb_s
+    n0 = gl.where(is_sum, e * BLOCK_N, st_min + ee * BLOCK_N)
+    limit = gl.where(is_sum, c_hi, t_max + 1)
+    return is_sum, ee, n0, limit
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, e, valid, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max, st_row, t_row, sc_row,
+                   offs_n, Nk, C, qk_scale, LOG_COUNT: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Fold the raw q.k tile s of key block e into the running softmax: (p, alpha, m_i, l_i), with
+    alpha the factor of the output so far. A block past the last (valid false) adds nothing."""
+    is_sum, ee, n0, limit = _block_span(e, nb_s, st_min, c_hi, t_max, BLOCK_N)
+    n = n0 + offs_n
+    full = valid & gl.where(is_sum, e < nb_s_full, (ee >= e_a) & (ee < e_b))
+    if LOG_COUNT:
+        s = s * qk_scale                                                    # base-2 logits
+        count = gl.minimum(C, Nk - n * C).to(gl.float32)                    # tokens of chunk n
+        s += gl.where(is_sum, gl.log2(gl.maximum(count, 1.0)), 0.0)[None, :]
+    if not full:
+        lo_row = gl.where(is_sum, 0, st_row)
+        hi_row = gl.where(is_sum, sc_row - 1, t_row)
+        vis = (n[None, :] >= lo_row[:, None]) & (n[None, :] <= hi_row[:, None]) & valid
+        s = gl.where(vis, s, float("-inf"))
+    if LOG_COUNT:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[:, None])
+    else:
+        # the scale folds into the max and one FMA per logit (qk_scale > 0 keeps -inf at -inf)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, bh, nb, nb_s, st_min,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_BYTES: gl.constexpr):
+    """TMA of key blocks 0..nb-1 (summary blocks [0, nb_s), then exact blocks from st_min) into the
+    ring, each once its stage is empty (a fresh barrier passes the first round's wait on phase 1)."""
+    for e in range(nb):
+        stage = e % NUM_STAGES
+        mbarrier.wait(empty.index(stage), ((e // NUM_STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, 2 * BLOCK_BYTES)
+        if e < nb_s:
+            row = e * BLOCK_N
+            tma.async_copy_global_to_shared(ks_desc, [bh, row, 0], bar, k_smem.index(stage))
+            tma.async_copy_global_to_shared(vs_desc, [bh, row, 0], bar, v_smem.index(stage))
+        else:
+            row = st_min + (e - nb_s) * BLOCK_N
+            tma.async_copy_global_to_shared(k_desc, [bh, row, 0], bar, k_smem.index(stage))
+            tma.async_copy_global_to_shared(v_desc, [bh, row, 0], bar, v_smem.index(stage))
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, C, qk_scale,
+              nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max, st_row, t_row, sc_row, offs_r,
+              stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
+              LOG_COUNT: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """The consumer warpgroup: block 0's logits and softmax, then per block e (FlashAttention-3's
+    order) issue q.k of e + 1; rescale o; issue o += p[e] v[e]; wait for q.k; softmax of e + 1 while
+    p.v runs; wait for p.v and release block e's stage. No wgmma is in flight across the loop's back
+    edge, so no accumulator register is rewritten while one runs (ptxas would serialize every wgmma).
+    q.k of a block past the last reads a stale stage; its result is unused."""
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    offs_n = gl.arange(0, BLOCK_N, layout=col_s)
+    s_zero = gl.zeros([BM, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(ready.index(0), 0, pred=nb > 0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False)
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BM], gl.float32, layout=row_s)
+    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, nb > 0, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
+                                        st_row, t_row, sc_row, offs_n, Nk, C, qk_scale, LOG_COUNT, BLOCK_N)
+    p16 = gl.convert_layout(p.to(dtype), p_layout)
+    o = gl.zeros([BM, D], gl.float32, layout=o_layout)
+    for e in range(0, nb):
+        stage = e % NUM_STAGES
+        nxt = (e + 1) % NUM_STAGES
+        mbarrier.wait(ready.index(nxt), ((e + 1) // NUM_STAGES) & 1, pred=e + 1 < nb)
+        s_acc = warpgroup_mma(q_smem, k_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        o_acc = warpgroup_mma(p16, v_smem.index(stage).reshape([BLOCK_N, D]), o, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_acc])
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, e + 1, e + 1 < nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi,
+                                            t_max, st_row, t_row, sc_row, offs_n, Nk, C, qk_scale, LOG_COUNT,
+                                            BLOCK_N)
+        o = warpgroup_mma_wait(0, deps=[o_acc])
+        _warps_barrier()  # both warpgroups' products have retired: block e's stage is free
+        mbarrier.arrive(empty.index(stage))
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    out = o / gl.convert_layout(l_safe, row_o)[:, None]
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    b64 = b.to(gl.int64)
+    rows_o = r_first + gl.arange(0, BM, layout=row_o)
+    cols = gl.arange(0, D, layout=col_o)
+    o_ptrs = (o_ptr + b64 * stride_ob + h.to(gl.int64) * stride_oh
+              + (rows_o.to(gl.int64) * stride_om)[:, None] + cols[None, :])
+    gl.store(o_ptrs, out.to(dtype), mask=(rows_o < Nq)[:, None])
+    l_ptrs = lse_ptr + b64 * stride_lb + h.to(gl.int64) * stride_lh + offs_r.to(gl.int64) * stride_lm
+    gl.store(l_ptrs, lse, mask=offs_r < Nq)
+
+
+@gluon.jit
+def _eva_fwd_gluon(
+    q_desc, k_desc, v_desc, ks_desc, vs_desc, o_ptr, lse_ptr,
+    H, Hkv, G, Nq, Nk, Nc, C, W, q_offset, n_row_blocks,
+    stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
+    qk_scale,
+    SLIDING: gl.constexpr, LOG_COUNT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):
+    BM: gl.constexpr = BLOCK_M
+    BLOCK_BYTES: gl.constexpr = BLOCK_N * D * 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, D, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_m = n_row_blocks - 1 - gl.program_id(0)     # the longest rows first
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hkv = h // G
+
+    # the tile's key blocks, as in eva_attention._eva_fwd
+    r_first = pid_m * BM
+    r_last = gl.minimum(r_first + BM, Nq) - 1
+    t_min = q_offset + r_first
+    t_max = q_offset + r_last
+    st_min = _start(t_min, C, W, SLIDING)
+    st_max = _start(t_max, C, W, SLIDING)
+    c_full = gl.minimum(st_min // C, Nc)
+    c_hi = gl.minimum(st_max // C, Nc)
+    nb_s_full = c_full // BLOCK_N
+    nb_s = gl.cdiv(c_hi, BLOCK_N)
+    nb_e = gl.cdiv(t_max + 1 - st_min, BLOCK_N)
+    e_a = gl.cdiv(st_max - st_min, BLOCK_N)
+    e_b = gl.maximum(e_a, (t_min + 1 - st_min) // BLOCK_N)
+    nb = nb_s + nb_e
+
+    offs_r = r_first + gl.arange(0, BM, layout=row_s)
+    t_row = q_offset + offs_r
+    st_row = _start(t_row, C, W, SLIDING)
+    sc_row = gl.minimum(st_row // C, Nc)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, D], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(q_bar, count=1)
+    mbarrier.expect(q_bar, BM * D * 2)
+    tma.async_copy_global_to_shared(q_desc, [pid_bh * Nq + r_first, 0], q_bar, q_smem)
+    mbarrier.wait(q_bar, 0)
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, C, qk_scale,
+                     nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max, st_row, t_row, sc_row, offs_r,
+                     stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
+                     LOG_COUNT, D, BM, BLOCK_N, NUM_STAGES, s_layout, o_layout)),
+        (_producer, (k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, b * Hkv + hkv, nb, nb_s,
+                     st_min, BLOCK_N, NUM_STAGES, BLOCK_BYTES)),
+    ], [1], [24])
+
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+    mbarrier.invalidate(q_bar)
+
+
+# ---------------------------------------------------------------- launcher
+def supports(q, k, v, k_sum, v_sum, bias, scale, config) -> bool:
+    """Whether this kernel takes the problem (else the Triton kernel does; always under the Triton
+    interpreter, which does not run Gluon)."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
+    block_n = int(config.get("BLOCK_N", 64))
+    return (not triton_interpret() and q.dtype in (torch.float16, torch.bfloat16) and bias is None and float(scale) >= 0
+            and 16 <= D <= 128 and D & (D - 1) == 0 and block_n in (32, 64, 128)
+            and int(config.get("BLOCK_M", BLOCK_M.value)) == BLOCK_M.value
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, k_sum, v_sum))
+            and max(B * H * Nq, B * Hkv * Nk, B * Hkv * Nc) + 256 < 2 ** 31
+            and int(config.get("NUM_SPLITS", 1)) in (0, 1) and not config.get("PACK_GQA", False) and Nq > 16)
+
+
+def _gl_dtype(t: torch.Tensor):
+    return gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+
+
+def _row_desc(t: torch.Tensor, rows: int):
+    """[B * H * N, D] view of q, in boxes of `rows` rows."""
+    D = t.shape[-1]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, D], _gl_dtype(t))
+    return TensorDescriptor.from_tensor(t.reshape(-1, D), [rows, D], layout)
+
+
+def _clipped_desc(t: torch.Tensor, n: int, block_n: int):
+    """[B * Hkv, n, D] view of a contiguous [B, Hkv, N, D] tensor cut at row n (rows past it read as
+    zeros), in boxes of [1, block_n, D]."""
+    B, Hk, N, D = t.shape
+    layout = gl.NVMMASharedLayout.get_default_for([1, block_n, D], _gl_dtype(t))
+    return TensorDescriptor(t, [B * Hk, max(n, 1), D], [N * D, D, 1], [1, block_n, D], layout)
+
+
+def launch(q, k, v, k_sum, v_sum, o, lse, *, chunk_size, window_size, sliding, scale, q_offset, log_count, config):
+    """Fill o and lse like `eva_attention.launch` (a problem `supports` accepts). config: BLOCK_N,
+    num_stages (the ring of k/v stages, >= 2), optional maxnreg (registers per thread)."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
+    block_n = int(config.get("BLOCK_N", 64))
+    stages = max(2, int(config.get("num_stages", 3)))
+    C, W = int(chunk_size), int(window_size)
+    n_row_blocks = -(-Nq // BLOCK_M.value)
+    t_last = int(q_offset) + Nq - 1  # the last query sees the most keys and summaries
+    n_keys = t_last + 1
+    n_sums = min(_window_start(t_last, C, W, sliding) // C, Nc)
+    grid = (n_row_blocks, B * H)
+    _eva_fwd_gluon[grid](
+        _row_desc(q, BLOCK_M.value), _clipped_desc(k, n_keys, block_n), _clipped_desc(v, n_keys, block_n),
+        _clipped_desc(k_sum, n_sums, block_n), _clipped_desc(v_sum, n_sums, block_n),
+        o, lse,
+        H, Hkv, H // Hkv, Nq, Nk, Nc, C, W, int(q_offset), n_row_blocks,
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        _qk_scale(scale),
+        SLIDING=bool(sliding), LOG_COUNT=bool(log_count), D=D, BLOCK_N=block_n, NUM_STAGES=stages,
+        num_warps=8, **({"maxnreg": int(config["maxnreg"])} if config.get("maxnreg") else {}),
+    )
