@@ -5,11 +5,12 @@ emit on sm_90:
 - a producer warp (its own partition, 24 registers) issues the TMA of each key block's k and v into
   a ring of NUM_STAGES shared-memory stages, waiting on an "empty" mbarrier per stage, and signals a
   "ready" mbarrier with the bytes; no CTA barrier is involved;
-- one consumer warpgroup (64 query rows) issues the wgmma by hand so that it overlaps its own
-  softmax with its tensor-core work: in iteration e, q·k of block e + 1 is in flight while it
+- two consumer warpgroups (64 query rows each, each its own partition, so that they drift apart and
+  one's softmax runs under the other's wgmma) issue the wgmma by hand so that each also overlaps its
+  own softmax with its tensor-core work: in iteration e, q·k of block e + 1 is in flight while it
   rescales and issues p·v of block e, and p·v of block e while it computes the softmax of block
-  e + 1; once p·v of block e retires, it releases block e's stage. Several programs per
-  multiprocessor fill each other's gaps.
+  e + 1; once p·v of block e retires, it arrives on block e's "empty" barrier (count 2: the stage
+  is refilled once both warpgroups are done with it).
 
 k, v and the summaries are read through [B * Hkv, rows, D] descriptors whose rows stop at the last
 key and the last summary any query sees: a block reading past them gets zeros, and the rows it reads
@@ -29,8 +30,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashswitch._common import triton_interpret
 from flashswitch.kernels_triton.eva_attention import _qk_scale, _window_start
 
-# Triton 3.6 names the barrier of a program's (or a partition's) warps thread_barrier, 3.8 barrier
-_warps_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 BLOCK_M = gl.constexpr(128)  # rows per program: two consumer warpgroups of 64 rows
 
 
@@ -106,21 +105,32 @@ def _producer(k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, bh
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, C, qk_scale,
-              nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max, st_row, t_row, sc_row, offs_r,
+def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
+              qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
               stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-              LOG_COUNT: gl.constexpr, D: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """The consumer warpgroup: block 0's logits and softmax, then per block e (FlashAttention-3's
+              SLIDING: gl.constexpr, LOG_COUNT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, WG: gl.constexpr):
+    """Consumer warpgroup WG (rows WG * 64 .. + 64 of the tile, its own partition, so that the two
+    drift apart and one's softmax runs under the other's wgmma): block 0's logits and softmax, then per block e (FlashAttention-3's
     order) issue q.k of e + 1; rescale o; issue o += p[e] v[e]; wait for q.k; softmax of e + 1 while
     p.v runs; wait for p.v and release block e's stage. No wgmma is in flight across the loop's back
     edge, so no accumulator register is rewritten while one runs (ptxas would serialize every wgmma).
     q.k of a block past the last reads a stale stage; its result is unused."""
+    BM: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     dtype: gl.constexpr = q_smem.dtype
+    r_first = r_first + WG * BM                              # this warpgroup's rows of the tile
+    q_smem = q_smem.slice(WG * BM, BM)
+    offs_r = r_first + gl.arange(0, BM, layout=row_s)
+    t_row = q_offset + offs_r
+    st_row = _start(t_row, C, W, SLIDING)
+    sc_row = gl.minimum(st_row // C, Nc)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)
     s_zero = gl.zeros([BM, BLOCK_N], gl.float32, layout=s_layout)
@@ -146,8 +156,7 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
                                             t_max, st_row, t_row, sc_row, offs_n, Nk, C, qk_scale, LOG_COUNT,
                                             BLOCK_N)
         o = warpgroup_mma_wait(0, deps=[o_acc])
-        _warps_barrier()  # both warpgroups' products have retired: block e's stage is free
-        mbarrier.arrive(empty.index(stage))
+        mbarrier.arrive(empty.index(stage))  # this warpgroup is done with block e's stage (count 2)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
 
     seen = l_i > 0.0
@@ -175,10 +184,6 @@ def _eva_fwd_gluon(
 ):
     BM: gl.constexpr = BLOCK_M
     BLOCK_BYTES: gl.constexpr = BLOCK_N * D * 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, D, 16])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_desc.dtype
 
     pid_m = n_row_blocks - 1 - gl.program_id(0)     # the longest rows first
@@ -203,10 +208,6 @@ def _eva_fwd_gluon(
     e_b = gl.maximum(e_a, (t_min + 1 - st_min) // BLOCK_N)
     nb = nb_s + nb_e
 
-    offs_r = r_first + gl.arange(0, BM, layout=row_s)
-    t_row = q_offset + offs_r
-    st_row = _start(t_row, C, W, SLIDING)
-    sc_row = gl.minimum(st_row // C, Nc)
 
     q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, D], k_desc.layout)
@@ -216,20 +217,24 @@ def _eva_fwd_gluon(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
     mbarrier.init(q_bar, count=1)
     mbarrier.expect(q_bar, BM * D * 2)
     tma.async_copy_global_to_shared(q_desc, [pid_bh * Nq + r_first, 0], q_bar, q_smem)
     mbarrier.wait(q_bar, 0)
 
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, C, qk_scale,
-                     nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max, st_row, t_row, sc_row, offs_r,
+        (_consumer, (q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
+                     qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                      stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-                     LOG_COUNT, D, BM, BLOCK_N, NUM_STAGES, s_layout, o_layout)),
+                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, 0)),
+        (_consumer, (q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
+                     qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
+                     stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
+                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, 1)),
         (_producer, (k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, b * Hkv + hkv, nb, nb_s,
                      st_min, BLOCK_N, NUM_STAGES, BLOCK_BYTES)),
-    ], [1], [24])
+    ], [4, 1], [240, 24])
 
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -292,5 +297,5 @@ def launch(q, k, v, k_sum, v_sum, o, lse, *, chunk_size, window_size, sliding, s
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         _qk_scale(scale),
         SLIDING=bool(sliding), LOG_COUNT=bool(log_count), D=D, BLOCK_N=block_n, NUM_STAGES=stages,
-        num_warps=8, **({"maxnreg": int(config["maxnreg"])} if config.get("maxnreg") else {}),
+        num_warps=4, **({"maxnreg": int(config["maxnreg"])} if config.get("maxnreg") else {}),
     )
