@@ -282,7 +282,8 @@ def test_tma_tuned_tiles(cfg, D, Hkv, window, fuse):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(BLOCK_N=64, num_stages=2), dict(BLOCK_N=64, num_stages=4),
-                                 dict(BLOCK_N=128, num_stages=2)])
+                                 dict(BLOCK_N=128, num_stages=2), dict(BLOCK_N=64, num_stages=3, PINGPONG=True),
+                                 dict(BLOCK_N=128, num_stages=2, PINGPONG=True)])
 @pytest.mark.parametrize("D,G", [(64, 1), (128, 2), (32, 1)])
 @pytest.mark.parametrize("window,C,W", [("block", 16, 256), ("sliding", 8, 72), ("block", 4, 4)])
 @pytest.mark.parametrize("bias,dtype,prefill", [(None, torch.bfloat16, False), ("log_count", torch.bfloat16, False),

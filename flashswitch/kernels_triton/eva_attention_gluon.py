@@ -10,7 +10,8 @@ emit on sm_90:
   own softmax with its tensor-core work: in iteration e, q·k of block e + 1 is in flight while it
   rescales and issues p·v of block e, and p·v of block e while it computes the softmax of block
   e + 1; once p·v of block e retires, it arrives on block e's "empty" barrier (count 2: the stage
-  is refilled once both warpgroups are done with it).
+  is refilled once both warpgroups are done with it); with config PINGPONG they take turns issuing
+  their wgmma, through a pair of "turn" mbarriers.
 
 k, v and the summaries are read through [B * Hkv, rows, D] descriptors whose rows stop at the last
 key and the last summary any query sees: a block reading past them gets zeros, and the rows it reads
@@ -105,17 +106,17 @@ def _producer(k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, bh
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
+def _consumer(q_smem, k_smem, v_smem, ready, empty, turn, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
               qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
               stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
               SLIDING: gl.constexpr, LOG_COUNT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, WG: gl.constexpr):
+              NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG (rows WG * 64 .. + 64 of the tile, its own partition, so that the two
     drift apart and one's softmax runs under the other's wgmma): block 0's logits and softmax, then per block e (FlashAttention-3's
     order) issue q.k of e + 1; rescale o; issue o += p[e] v[e]; wait for q.k; softmax of e + 1 while
-    p.v runs; wait for p.v and release block e's stage. No wgmma is in flight across the loop's back
-    edge, so no accumulator register is rewritten while one runs (ptxas would serialize every wgmma).
-    q.k of a block past the last reads a stale stage; its result is unused."""
+    p.v runs; wait for p.v and release block e's stage; the last block takes p.v only. No wgmma is
+    in flight across the loop's back edge, so no accumulator register is rewritten while one runs
+    (ptxas would serialize every wgmma)."""
     BM: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -135,40 +136,60 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)
     s_zero = gl.zeros([BM, BLOCK_N], gl.float32, layout=s_layout)
 
+    # turns: with PINGPONG the warpgroups take turns issuing their wgmma (turn k of WG 0 waits for
+    # WG 1's turn k - 1, turn k of WG 1 for WG 0's turn k), so that one's softmax runs under the
+    # other's wgmma rather than both contending at once (FlashAttention-3's warp scheduler barrier)
+    my_turn = turn.index(WG)
+    other_turn = turn.index(1 - WG)
     mbarrier.wait(ready.index(0), 0, pred=nb > 0)
+    mbarrier.wait(my_turn, 1 - WG, pred=PINGPONG)
     s = warpgroup_mma(q_smem, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False)
+    mbarrier.arrive(other_turn, pred=PINGPONG)
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BM], gl.float32, layout=row_s)
     p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, nb > 0, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                                         st_row, t_row, sc_row, offs_n, Nk, C, qk_scale, LOG_COUNT, BLOCK_N)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
     o = gl.zeros([BM, D], gl.float32, layout=o_layout)
-    for e in range(0, nb):
+    for e in range(0, nb - 1):
         stage = e % NUM_STAGES
         nxt = (e + 1) % NUM_STAGES
-        mbarrier.wait(ready.index(nxt), ((e + 1) // NUM_STAGES) & 1, pred=e + 1 < nb)
+        mbarrier.wait(ready.index(nxt), ((e + 1) // NUM_STAGES) & 1)
+        mbarrier.wait(my_turn, ((e + 1) & 1) ^ (1 - WG), pred=PINGPONG)
         s_acc = warpgroup_mma(q_smem, k_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
         o_acc = warpgroup_mma(p16, v_smem.index(stage).reshape([BLOCK_N, D]), o, is_async=True)
+        mbarrier.arrive(other_turn, pred=PINGPONG)
         s = warpgroup_mma_wait(1, deps=[s_acc])
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, e + 1, e + 1 < nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi,
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, e + 1, True, nb_s, nb_s_full, e_a, e_b, st_min, c_hi,
                                             t_max, st_row, t_row, sc_row, offs_n, Nk, C, qk_scale, LOG_COUNT,
                                             BLOCK_N)
         o = warpgroup_mma_wait(0, deps=[o_acc])
         mbarrier.arrive(empty.index(stage))  # this warpgroup is done with block e's stage (count 2)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
+    # the last block: p.v only
+    last = gl.maximum(nb - 1, 0)
+    mbarrier.wait(my_turn, (nb & 1) ^ (1 - WG), pred=PINGPONG)
+    o = o * gl.convert_layout(alpha, row_o)[:, None]
+    o_acc = warpgroup_mma(p16, v_smem.index(last % NUM_STAGES).reshape([BLOCK_N, D]), o, is_async=True)
+    mbarrier.arrive(other_turn, pred=PINGPONG)
+    o = warpgroup_mma_wait(0, deps=[o_acc])
 
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     out = o / gl.convert_layout(l_safe, row_o)[:, None]
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    # through shared memory into a row-major layout, so that each thread stores 16 contiguous bytes
+    tpr: gl.constexpr = D // 8 if D // 8 < 32 else 32
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpr, tpr], [4, 1], [1, 0])
+    out = gl.convert_layout(out.to(dtype), st_layout)
     b64 = b.to(gl.int64)
-    rows_o = r_first + gl.arange(0, BM, layout=row_o)
-    cols = gl.arange(0, D, layout=col_o)
+    rows_o = r_first + gl.arange(0, BM, layout=gl.SliceLayout(1, st_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
     o_ptrs = (o_ptr + b64 * stride_ob + h.to(gl.int64) * stride_oh
               + (rows_o.to(gl.int64) * stride_om)[:, None] + cols[None, :])
-    gl.store(o_ptrs, out.to(dtype), mask=(rows_o < Nq)[:, None])
+    gl.store(o_ptrs, out, mask=(rows_o < Nq)[:, None])
     l_ptrs = lse_ptr + b64 * stride_lb + h.to(gl.int64) * stride_lh + offs_r.to(gl.int64) * stride_lm
     gl.store(l_ptrs, lse, mask=offs_r < Nq)
 
@@ -180,7 +201,7 @@ def _eva_fwd_gluon(
     stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
     qk_scale,
     SLIDING: gl.constexpr, LOG_COUNT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     BM: gl.constexpr = BLOCK_M
     BLOCK_BYTES: gl.constexpr = BLOCK_N * D * 2
@@ -215,23 +236,26 @@ def _eva_fwd_gluon(
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
     mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     mbarrier.expect(q_bar, BM * D * 2)
     tma.async_copy_global_to_shared(q_desc, [pid_bh * Nq + r_first, 0], q_bar, q_smem)
     mbarrier.wait(q_bar, 0)
 
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
+        (_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
                      qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                      stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, 0)),
-        (_consumer, (q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
+                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, PINGPONG, 0)),
+        (_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
                      qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                      stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, 1)),
+                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, PINGPONG, 1)),
         (_producer, (k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, b * Hkv + hkv, nb, nb_s,
                      st_min, BLOCK_N, NUM_STAGES, BLOCK_BYTES)),
     ], [4, 1], [240, 24])
@@ -240,6 +264,8 @@ def _eva_fwd_gluon(
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
     mbarrier.invalidate(q_bar)
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turn.index(i))
 
 
 # ---------------------------------------------------------------- launcher
@@ -278,7 +304,8 @@ def _clipped_desc(t: torch.Tensor, n: int, block_n: int):
 
 def launch(q, k, v, k_sum, v_sum, o, lse, *, chunk_size, window_size, sliding, scale, q_offset, log_count, config):
     """Fill o and lse like `eva_attention.launch` (a problem `supports` accepts). config: BLOCK_N,
-    num_stages (the ring of k/v stages, >= 2), optional maxnreg (registers per thread)."""
+    num_stages (the ring of k/v stages, >= 2), PINGPONG (the warpgroups take turns issuing their
+    wgmma), optional maxnreg (registers per thread)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
     block_n = int(config.get("BLOCK_N", 64))
@@ -296,6 +323,6 @@ def launch(q, k, v, k_sum, v_sum, o, lse, *, chunk_size, window_size, sliding, s
         H, Hkv, H // Hkv, Nq, Nk, Nc, C, W, int(q_offset), n_row_blocks,
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         _qk_scale(scale),
-        SLIDING=bool(sliding), LOG_COUNT=bool(log_count), D=D, BLOCK_N=block_n, NUM_STAGES=stages,
+        SLIDING=bool(sliding), LOG_COUNT=bool(log_count), D=D, BLOCK_N=block_n, NUM_STAGES=stages, PINGPONG=bool(config.get("PINGPONG", False)),
         num_warps=4, **({"maxnreg": int(config["maxnreg"])} if config.get("maxnreg") else {}),
     )
