@@ -124,7 +124,6 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, turn, o_ptr, lse_ptr, b, h, 
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     dtype: gl.constexpr = q_smem.dtype
     r_first = r_first + WG * BM                              # this warpgroup's rows of the tile
     q_smem = q_smem.slice(WG * BM, BM)
