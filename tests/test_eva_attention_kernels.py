@@ -283,7 +283,8 @@ def test_tma_tuned_tiles(cfg, D, Hkv, window, fuse):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(BLOCK_N=64, num_stages=2), dict(BLOCK_N=64, num_stages=4),
                                  dict(BLOCK_N=128, num_stages=2), dict(BLOCK_N=64, num_stages=3, PINGPONG=True),
-                                 dict(BLOCK_N=128, num_stages=2, PINGPONG=True)])
+                                 dict(BLOCK_N=128, num_stages=2, PINGPONG=True),
+                                 dict(BLOCK_N=64, num_stages=3, LAZY_RESCALE=True)])
 @pytest.mark.parametrize("D,G", [(64, 1), (128, 2), (32, 1)])
 @pytest.mark.parametrize("window,C,W", [("block", 16, 256), ("sliding", 8, 72), ("block", 4, 4)])
 @pytest.mark.parametrize("bias,dtype,prefill", [(None, torch.bfloat16, False), ("log_count", torch.bfloat16, False),
@@ -293,22 +294,41 @@ def test_gluon_kernel(cfg, D, G, window, C, W, bias, dtype, prefill, monkeypatch
     prefill (Nq and q_offset not tile multiples) with NaN in the cache capacity past Nk and in the
     summaries no query sees, and a whole prefill in fp16; the kernel must have run (not the Triton
     fallback)."""
+    Nk, cap, Nq = (700, 700, 700) if prefill else (700, 800, 300)
+    p = random_problem(2, 2 * G, 2, Nq, cap, D, C, W, window=window, summary_bias=bias, q_offset=Nk - Nq,
+                       dtype=dtype, device=DEVICE, seed=D + C)
+    _check_gluon(p, cfg, Nk, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,C,W", [("block", 16, 256), ("sliding", 8, 72)])
+@pytest.mark.parametrize("bias", [None, "log_count"])
+def test_gluon_lazy_rescale(window, C, W, bias, monkeypatch):
+    """LAZY_RESCALE on peaked logits (scale 6 / sqrt(D)), where a row's max often jumps by more than
+    8 (base 2) from one key block to the next: both the kept and the moved maxima are taken."""
+    D, Nk = 128, 700
+    p = random_problem(2, 4, 2, 300, 800, D, C, W, window=window, summary_bias=bias, q_offset=Nk - 300,
+                       dtype=torch.bfloat16, device=DEVICE, seed=C)
+    _check_gluon(p, dict(BLOCK_N=64, num_stages=3, LAZY_RESCALE=True), Nk, monkeypatch, scale=6 / D ** 0.5)
+
+
+def _check_gluon(p, cfg, Nk, monkeypatch, scale=None):
+    """Run config GLUON + cfg on p with NaN past Nk and in the summaries no query sees, check that the
+    Gluon kernel ran (not the Triton fallback) and compare with the oracle."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for sm_90")
     from flashswitch.kernels_triton import eva_attention_gluon as glu
     ran = []
     real = glu.launch
     monkeypatch.setattr(glu, "launch", lambda *a, **kw: (ran.append(1), real(*a, **kw)))
-    Nk, cap, Nq = (700, 700, 700) if prefill else (700, 800, 300)
-    p = random_problem(2, 2 * G, 2, Nq, cap, D, C, W, window=window, summary_bias=bias, q_offset=Nk - Nq,
-                       dtype=dtype, device=DEVICE, seed=D + C)
-    n_sum = start_position(Nk - 1, chunk_size=C, window_size=W, window=window) // C
+    n_sum = start_position(Nk - 1, chunk_size=p["chunk_size"], window_size=p["window_size"], window=p["window"]) \
+        // p["chunk_size"]
     _poison_unused(p, first=0, Nk=Nk, n_sum=n_sum)
-    out = _run("triton", p, config=dict(cfg, GLUON=True, BLOCK_M=128, num_warps=8))
+    out = _run("triton", p, scale=scale, config=dict(cfg, GLUON=True, BLOCK_M=128, num_warps=8))
     assert ran, "the Gluon kernel did not take the problem"
-    ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
-    assert_close("o", out[0], ref_o, dtype)
-    assert_close("lse", out[1], ref_l, dtype)
+    ref_o, ref_l = numpy_eva_attention(**p, scale=scale, return_lse=True)
+    assert_close("o", out[0], ref_o, p["q"].dtype)
+    assert_close("lse", out[1], ref_l, p["q"].dtype)
 
 
 def _space_problem(window, decode, device):

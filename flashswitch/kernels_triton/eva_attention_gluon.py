@@ -56,9 +56,11 @@ def _block_span(e, nb_s, st_min, c_hi, t_max, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, e, valid, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max, st_row, t_row, sc_row,
-                   offs_n, Nk, C, qk_scale, LOG_COUNT: gl.constexpr, BLOCK_N: gl.constexpr):
+                   offs_n, Nk, C, qk_scale, LOG_COUNT: gl.constexpr, BLOCK_N: gl.constexpr, LAZY: gl.constexpr):
     """Fold the raw q.k tile s of key block e into the running softmax: (p, alpha, m_i, l_i), with
-    alpha the factor of the output so far. A block past the last (valid false) adds nothing."""
+    alpha the factor of the output so far. A block past the last (valid false) adds nothing. LAZY:
+    a row keeps its running max until the block's exceeds it by more than 8 (base 2), so p <= 256
+    and alpha is 1 in most blocks; the output is exact either way, since o and l share the max."""
     is_sum, ee, n0, limit = _block_span(e, nb_s, st_min, c_hi, t_max, BLOCK_N)
     n = n0 + offs_n
     full = valid & gl.where(is_sum, e < nb_s_full, (ee >= e_a) & (ee < e_b))
@@ -73,16 +75,30 @@ def _softmax_block(s, m_i, l_i, e, valid, nb_s, nb_s_full, e_a, e_b, st_min, c_h
         s = gl.where(vis, s, float("-inf"))
     if LOG_COUNT:
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_use[:, None])
     else:
         # the scale folds into the max and one FMA per logit (qk_scale > 0 keeps -inf at -inf)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    if LAZY:
+        m_new = gl.where(m_new - m_i > 8.0, m_new, m_i)  # -inf - -inf is NaN: stays -inf
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    if LOG_COUNT:
+        p = gl.exp2(s - m_use[:, None])
+    else:
         p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _rescale(o, alpha, row_o: gl.constexpr, LAZY: gl.constexpr):
+    """o * alpha per row; LAZY skips the multiply when no row of the warpgroup moved its max."""
+    if LAZY:
+        if gl.min(alpha, axis=0) < 1.0:
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
+    else:
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+    return o
 
 
 @gluon.jit
@@ -110,7 +126,7 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, turn, o_ptr, lse_ptr, b, h, 
               qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
               stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
               SLIDING: gl.constexpr, LOG_COUNT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+              NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, LAZY: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG (rows WG * 64 .. + 64 of the tile, its own partition, so that the two
     drift apart and one's softmax runs under the other's wgmma): block 0's logits and softmax, then per block e (FlashAttention-3's
     order) issue q.k of e + 1; rescale o; issue o += p[e] v[e]; wait for q.k; softmax of e + 1 while
@@ -147,7 +163,7 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, turn, o_ptr, lse_ptr, b, h, 
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BM], gl.float32, layout=row_s)
     p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, nb > 0, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
-                                        st_row, t_row, sc_row, offs_n, Nk, C, qk_scale, LOG_COUNT, BLOCK_N)
+                                        st_row, t_row, sc_row, offs_n, Nk, C, qk_scale, LOG_COUNT, BLOCK_N, LAZY)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
     o = gl.zeros([BM, D], gl.float32, layout=o_layout)
     for e in range(0, nb - 1):
@@ -157,20 +173,20 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, turn, o_ptr, lse_ptr, b, h, 
         mbarrier.wait(my_turn, ((e + 1) & 1) ^ (1 - WG), pred=PINGPONG)
         s_acc = warpgroup_mma(q_smem, k_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
-        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        o = _rescale(o, alpha, row_o, LAZY)
         o_acc = warpgroup_mma(p16, v_smem.index(stage).reshape([BLOCK_N, D]), o, is_async=True)
         mbarrier.arrive(other_turn, pred=PINGPONG)
         s = warpgroup_mma_wait(1, deps=[s_acc])
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, e + 1, True, nb_s, nb_s_full, e_a, e_b, st_min, c_hi,
                                             t_max, st_row, t_row, sc_row, offs_n, Nk, C, qk_scale, LOG_COUNT,
-                                            BLOCK_N)
+                                            BLOCK_N, LAZY)
         o = warpgroup_mma_wait(0, deps=[o_acc])
         mbarrier.arrive(empty.index(stage))  # this warpgroup is done with block e's stage (count 2)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
     # the last block: p.v only
     last = gl.maximum(nb - 1, 0)
     mbarrier.wait(my_turn, (nb & 1) ^ (1 - WG), pred=PINGPONG)
-    o = o * gl.convert_layout(alpha, row_o)[:, None]
+    o = _rescale(o, alpha, row_o, LAZY)
     o_acc = warpgroup_mma(p16, v_smem.index(last % NUM_STAGES).reshape([BLOCK_N, D]), o, is_async=True)
     mbarrier.arrive(other_turn, pred=PINGPONG)
     o = warpgroup_mma_wait(0, deps=[o_acc])
@@ -200,7 +216,7 @@ def _eva_fwd_gluon(
     stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
     qk_scale,
     SLIDING: gl.constexpr, LOG_COUNT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, LAZY: gl.constexpr,
 ):
     BM: gl.constexpr = BLOCK_M
     BLOCK_BYTES: gl.constexpr = BLOCK_N * D * 2
@@ -250,11 +266,11 @@ def _eva_fwd_gluon(
         (_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
                      qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                      stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, PINGPONG, 0)),
+                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, PINGPONG, LAZY, 0)),
         (_consumer, (q_smem, k_smem, v_smem, ready, empty, turn, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
                      qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                      stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, PINGPONG, 1)),
+                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, PINGPONG, LAZY, 1)),
         (_producer, (k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, b * Hkv + hkv, nb, nb_s,
                      st_min, BLOCK_N, NUM_STAGES, BLOCK_BYTES)),
     ], [4, 1], [240, 24])
@@ -304,7 +320,7 @@ def _clipped_desc(t: torch.Tensor, n: int, block_n: int):
 def launch(q, k, v, k_sum, v_sum, o, lse, *, chunk_size, window_size, sliding, scale, q_offset, log_count, config):
     """Fill o and lse like `eva_attention.launch` (a problem `supports` accepts). config: BLOCK_N,
     num_stages (the ring of k/v stages, >= 2), PINGPONG (the warpgroups take turns issuing their
-    wgmma), optional maxnreg (registers per thread)."""
+    wgmma), LAZY_RESCALE (see `_softmax_block`), optional maxnreg (registers per thread)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
     block_n = int(config.get("BLOCK_N", 64))
@@ -323,5 +339,6 @@ def launch(q, k, v, k_sum, v_sum, o, lse, *, chunk_size, window_size, sliding, s
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         _qk_scale(scale),
         SLIDING=bool(sliding), LOG_COUNT=bool(log_count), D=D, BLOCK_N=block_n, NUM_STAGES=stages, PINGPONG=bool(config.get("PINGPONG", False)),
+        LAZY=bool(config.get("LAZY_RESCALE", False)),
         num_warps=4, **({"maxnreg": int(config["maxnreg"])} if config.get("maxnreg") else {}),
     )
