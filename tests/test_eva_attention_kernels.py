@@ -281,10 +281,8 @@ def test_tma_tuned_tiles(cfg, D, Hkv, window, fuse):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [dict(BLOCK_N=64, num_stages=2), dict(BLOCK_N=64, num_stages=4),
-                                 dict(BLOCK_N=128, num_stages=2), dict(BLOCK_N=64, num_stages=3, PINGPONG=True),
-                                 dict(BLOCK_N=128, num_stages=2, PINGPONG=True),
-                                 dict(BLOCK_N=64, num_stages=3, LAZY_RESCALE=True)])
+@pytest.mark.parametrize("cfg", [dict(BLOCK_N=64, num_stages=2), dict(BLOCK_N=64, num_stages=3),
+                                 dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=128, num_stages=2)])
 @pytest.mark.parametrize("D,G", [(64, 1), (128, 2), (32, 1)])
 @pytest.mark.parametrize("window,C,W", [("block", 16, 256), ("sliding", 8, 72), ("block", 4, 4)])
 @pytest.mark.parametrize("bias,dtype,prefill", [(None, torch.bfloat16, False), ("log_count", torch.bfloat16, False),
@@ -303,13 +301,13 @@ def test_gluon_kernel(cfg, D, G, window, C, W, bias, dtype, prefill, monkeypatch
 @pytest.mark.gpu
 @pytest.mark.parametrize("window,C,W", [("block", 16, 256), ("sliding", 8, 72)])
 @pytest.mark.parametrize("bias", [None, "log_count"])
-def test_gluon_lazy_rescale(window, C, W, bias, monkeypatch):
-    """LAZY_RESCALE on peaked logits (scale 6 / sqrt(D)), where a row's max often jumps by more than
-    8 (base 2) from one key block to the next: both the kept and the moved maxima are taken."""
+def test_gluon_peaked_logits(window, C, W, bias, monkeypatch):
+    """Peaked logits (scale 6 / sqrt(D)): a row's max often jumps from one key block to the next, so
+    the output is rescaled by factors far from 1 (and underflows to 0 for some rows)."""
     D, Nk = 128, 700
     p = random_problem(2, 4, 2, 300, 800, D, C, W, window=window, summary_bias=bias, q_offset=Nk - 300,
                        dtype=torch.bfloat16, device=DEVICE, seed=C)
-    _check_gluon(p, dict(BLOCK_N=64, num_stages=3, LAZY_RESCALE=True), Nk, monkeypatch, scale=6 / D ** 0.5)
+    _check_gluon(p, dict(BLOCK_N=64, num_stages=3), Nk, monkeypatch, scale=6 / D ** 0.5)
 
 
 def _check_gluon(p, cfg, Nk, monkeypatch, scale=None):
