@@ -539,8 +539,9 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
     for Nq <= 16, else 1), PACK_GQA (default: when H > Hkv), FUSE (one loop over all key blocks;
     default off), TMA (k, v and the summaries read by the tensor memory accelerator through
     descriptors; fp16/bf16, D a power of two; contiguous tensors unless with FUSE; otherwise
-    ignored), QREG (q held in registers for q.k: RS instead of SS wgmma on Hopper; default off) and
-    maxnreg (a register cap per thread; default none).
+    ignored), QREG (q held in registers for q.k: RS instead of SS wgmma on Hopper; default off),
+    maxnreg (a register cap per thread; default none) and GLUON (the warp-specialized Hopper kernel
+    of eva_attention_gluon.py, for the problems its `supports` takes; the others run this one).
     """
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]

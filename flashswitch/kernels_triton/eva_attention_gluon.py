@@ -115,11 +115,11 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
               SLIDING: gl.constexpr, LOG_COUNT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG (rows WG * 64 .. + 64 of the tile, its own partition, so that the two
-    drift apart and one's softmax runs under the other's wgmma): block 0's logits and softmax, then per block e (FlashAttention-3's
-    order) issue q.k of e + 1; rescale o; issue o += p[e] v[e]; wait for q.k; softmax of e + 1 while
-    p.v runs; wait for p.v and release block e's stage; the last block takes p.v only. No wgmma is
-    in flight across the loop's back edge, so no accumulator register is rewritten while one runs
-    (ptxas would serialize every wgmma)."""
+    drift apart and one's softmax runs under the other's wgmma): block 0's logits and softmax, then
+    per block e (FlashAttention-3's order) issue q.k of e + 1; rescale o; issue o += p[e] v[e]; wait
+    for q.k; softmax of e + 1 while p.v runs; wait for p.v and release block e's stage; the last block
+    takes p.v only. No wgmma is in flight across the loop's back edge, so no accumulator register is
+    rewritten while one runs (ptxas would serialize every wgmma)."""
     BM: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
