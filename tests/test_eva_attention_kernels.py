@@ -283,7 +283,7 @@ def test_tma_tuned_tiles(cfg, D, Hkv, window, fuse):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(BLOCK_N=64, num_stages=2), dict(BLOCK_N=64, num_stages=3),
                                  dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=128, num_stages=2)])
-@pytest.mark.parametrize("D,G", [(64, 1), (128, 2), (32, 1)])
+@pytest.mark.parametrize("D,G", [(64, 1), (128, 2), (32, 1), (16, 1)])
 @pytest.mark.parametrize("window,C,W", [("block", 16, 256), ("sliding", 8, 72), ("block", 4, 4)])
 @pytest.mark.parametrize("bias,dtype,prefill", [(None, torch.bfloat16, False), ("log_count", torch.bfloat16, False),
                                                 (None, torch.float16, True)])
