@@ -32,18 +32,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashswitch._common import triton_interpret
-from flashswitch.kernels_triton.eva_attention import _qk_scale, _window_start
+from flashswitch.kernels_triton.eva_attention import _qk_scale, _start, _window_start
 
 BLOCK_M = gl.constexpr(128)  # rows per program: two consumer warpgroups of 64 rows
-
-
-@gluon.jit
-def _start(t, C, W, SLIDING: gl.constexpr):
-    if SLIDING:
-        s = (gl.maximum(t - W + 1, 0) // C) * C
-    else:
-        s = (t // W) * W
-    return s
 
 
 @gluon.jit
