@@ -6,7 +6,8 @@ hits every variant alike; each cell is the median over rounds.
     python3 bench/config_ab.py eva_attention 3 '{}' '{"EVICT": true}' '{"LAZY": true}' [--rounds 5]
 
 (op, index into autotune/space.py TUNE_SHAPES, then variants: JSON updates of the tuned config, '{}'
-being the tuned config itself; bf16, triton unless --backend.) A JSON string names a baseline of the
+being the tuned config itself; bf16, triton unless --backend; --set Nk=4096 changes fields of the
+shape, whose config is then the one the store gives that bucket.) A JSON string names a baseline of the
 op's bench suite (bench_<op>.py BUILDERS), timed in the same rounds: '"flex"' for eva_attention
 pairs the kernel with FlexAttention under the same clocks and temperature. For expert_matmul the
 variant '"route"' times route() alone (keys, sort, offsets), the rest of a call being the kernels.
@@ -38,10 +39,16 @@ def main(argv=None) -> int:
     ap.add_argument("variants", nargs="+")
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=INT", help="change integer fields of the shape")
     args = ap.parse_args(argv)
 
     spec = registry.get(args.op)
-    shape = space.TUNE_SHAPES[args.op][args.index]
+    shape = dict(space.TUNE_SHAPES[args.op][args.index])
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in shape:
+            ap.error(f"--set {item}: the shape has no field {key!r} (fields: {', '.join(shape)})")
+        shape[key] = int(value)
     problem = spec.random_problem(**shape, dtype="bf16", device="cuda", seed=0)
     tuned = store.lookup(args.op, args.backend, spec.features(problem))
     print(f"{args.op} {registry.describe(shape)} bf16, tuned {args.backend} config: {json.dumps(tuned)}")

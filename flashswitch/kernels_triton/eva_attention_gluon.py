@@ -253,13 +253,19 @@ def supports(q, k, v, k_sum, v_sum, bias, scale, config) -> bool:
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
     block_n = int(config.get("BLOCK_N", 64))
-    hopper = not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] == 9
+    hopper = not q.is_cuda or _major(q.device.index) == 9
     return (hopper and not triton_interpret() and q.dtype in (torch.float16, torch.bfloat16) and bias is None and float(scale) >= 0
             and 16 <= D <= 128 and D & (D - 1) == 0 and block_n in (32, 64, 128)
             and int(config.get("BLOCK_M", BLOCK_M.value)) == BLOCK_M.value
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, k_sum, v_sum))
             and max(B * H * Nq, B * Hkv * Nk, B * Hkv * Nc) + 256 < 2 ** 31
             and int(config.get("NUM_SPLITS", 1)) in (0, 1) and not config.get("PACK_GQA", False) and Nq > 16)
+
+
+@functools.lru_cache(maxsize=None)
+def _major(device_index):
+    """Compute capability major of a CUDA device (asked once: the call sits on every launch's path)."""
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 @functools.lru_cache(maxsize=None)
