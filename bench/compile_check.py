@@ -12,11 +12,20 @@ each space; --tuned: instead of the spaces, the config that file gives each shap
 Exit status 1 when a config fails to compile. Each config runs the real launcher on CPU tensors with
 the kernels' launches recorded instead of run; the recorded arguments are specialized and compiled as
 Triton's JIT would on the device. TRITON_INTERPRET must be unset (it replaces the kernels).
+
+A refactor that claims to leave the generated code alone is checked by the SASS it produces:
+
+    python3 bench/compile_check.py --json /tmp/before.json          # on the old tree
+    python3 bench/compile_check.py --compare /tmp/before.json       # on the new one
+
+--compare reports every config whose kernels' SASS (instructions only, no addresses) differs from the
+file's, and exits 1 if any does.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib
 import json
 import re
@@ -89,10 +98,19 @@ def compile_call(fn, args, kwargs, arch: int):
     return triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
+def _sass_digest(cuobjdump: Path, cubin: Path) -> str:
+    """sha256 of a cubin's SASS instructions (addresses, encodings and comments dropped)."""
+    text = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True).stdout
+    lines = (re.sub(r"/\*[0-9a-f]+\*/", "", line).split(";")[0].strip() for line in text.splitlines())
+    body = "\n".join(line for line in lines if line and not line.startswith(("code for", "Function", ".", "-", "/*")))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
 def resource_usage(kernel, arch: int = 90) -> dict:
-    """{"regs", "local", "shared", "wgmma_serialized"} of a compiled kernel: cuobjdump on its cubin, and
-    whether ptxas serializes its wgmma (warnings C7514-C7515: an accumulator register touched while
-    its wgmma runs, so every wgmma waits for the previous one)."""
+    """{"regs", "local", "shared", "sass", "wgmma_serialized"} of a compiled kernel: cuobjdump on its
+    cubin (sass: the digest of its instructions), and whether ptxas serializes its wgmma (warnings
+    C7514-C7515: an accumulator register touched while its wgmma runs, so every wgmma waits for the
+    previous one)."""
     from triton.backends.nvidia import compiler as nv
 
     ptxas = Path(nv.get_ptxas(arch).path)
@@ -105,6 +123,7 @@ def resource_usage(kernel, arch: int = 90) -> dict:
         m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", text)
         if m:
             out.update(regs=int(m.group(1)), local=int(m.group(2)))
+        out["sass"] = _sass_digest(ptxas.with_name("cuobjdump"), cubin)
         if "wgmma" in kernel.asm.get("ptx", ""):
             ptx.write_text(kernel.asm["ptx"])
             log = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(ptx), "-o", str(Path(tmp) / "v.cubin")],
@@ -190,6 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--tuned", type=Path, help="a config file: its configs (and the defaults), not the spaces")
     ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--compare", type=Path, help="rows of an earlier --json: report SASS that differs")
     args = ap.parse_args(argv)
     from flashswitch._common import triton_interpret
     if triton_interpret():
@@ -206,7 +226,26 @@ def main(argv=None) -> int:
     print(f"{len(rows) - len(bad)} of {len(rows)} configs compile for sm_{args.arch}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+    if args.compare:
+        changed = compare_sass(json.loads(args.compare.read_text()), rows)
+        print(f"{len(changed)} of {len(rows)} configs changed their SASS against {args.compare}")
+        bad += changed
     return 1 if bad else 0
+
+
+def compare_sass(before: list[dict], after: list[dict]) -> list[dict]:
+    """The rows of `after` whose kernels' SASS digests differ from (or are missing in) `before`."""
+    def key(row):
+        return row["op"], row["shape"], json.dumps(row["config"], sort_keys=True)
+
+    old = {key(r): [k.get("sass") for k in r["kernels"]] for r in before}
+    changed = []
+    for row in after:
+        new = [k.get("sass") for k in row["kernels"]]
+        if old.get(key(row)) != new:
+            changed.append(row)
+            print(f"  SASS {'changed' if key(row) in old else 'new'}: [{row['shape']}] {json.dumps(row['config'])}")
+    return changed
 
 
 if __name__ == "__main__":

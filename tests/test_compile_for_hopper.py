@@ -36,14 +36,36 @@ def test_tuned_and_default_configs_compile_for_sm90(tmp_path):
             assert k["regs"] <= 255 and k["local"] == 0 and k["shared"] <= 227 * 1024, (r["config"], k)
 
 
-def test_a_rejected_config_is_reported():
-    """A config the launcher refuses (BLOCK_M not a power of two) is a failed row, not a crash: the
-    check can fail."""
+def _module():
     from importlib import util
     spec = util.spec_from_file_location("compile_check", ROOT / "bench" / "compile_check.py")
     mod = util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_rejected_config_is_reported():
+    """A config the launcher refuses (BLOCK_M not a power of two) is a failed row, not a crash: the
+    check can fail."""
+    mod = _module()
     problem = mod.shape_problem("eva_attention", 1, "bf16")
     rows = mod.check_configs("eva_attention", 1, [{"BLOCK_M": 48, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}],
                              90, problem)
     assert len(rows) == 1 and not rows[0]["ok"] and "BLOCK_M" in rows[0]["error"]
+
+
+def test_sass_comparison_tells_a_code_change_apart(tmp_path):
+    """--compare: the same kernels compiled again have the same SASS digests (exit 0); a digest that
+    differs, or a config the earlier file lacks, is reported and fails the check (exit 1)."""
+    args = ("--ops", "chunk_summaries", "--shape", "0", "--first", "2")
+    proc, first = _compile_check(tmp_path, *args)
+    assert proc.returncode == 0 and len(first) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all(len(k["sass"]) == 64 for r in first for k in r["kernels"])
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps(first))
+    proc, _ = _compile_check(tmp_path, *args, "--compare", str(before))
+    assert proc.returncode == 0 and "0 of 2 configs changed" in proc.stdout, proc.stdout[-3000:]
+    first[0]["kernels"] = first[1]["kernels"]  # as if config 0 now compiled to config 1's code
+    before.write_text(json.dumps(first[:1]))  # and config 1 were new
+    proc, _ = _compile_check(tmp_path, *args, "--compare", str(before))
+    assert proc.returncode == 1 and "2 of 2 configs changed" in proc.stdout, proc.stdout[-3000:]
