@@ -66,6 +66,24 @@ def _start(t, C, W, SLIDING: tl.constexpr):
 
 
 @triton.jit
+def _tile_blocks(t_min, t_max, C, W, Nc, SLIDING: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key blocks of a tile whose queries sit at positions t_min..t_max: summaries [0, nb_s) (no
+    mask below nb_s_full), then nb_e blocks of exact keys from st_min: [0, e_a) masked, [e_a, e_b)
+    unmasked, [e_b, nb_e) masked. (st_min, c_hi, nb_s_full, nb_s, nb_e, e_a, e_b); c_hi: the
+    summaries any query of the tile sees. Shared with the Gluon kernel."""
+    st_min = _start(t_min, C, W, SLIDING)
+    st_max = _start(t_max, C, W, SLIDING)
+    c_full = tl.minimum(st_min // C, Nc)
+    c_hi = tl.minimum(st_max // C, Nc)
+    nb_s_full = c_full // BLOCK_N
+    nb_s = tl.cdiv(c_hi, BLOCK_N)
+    nb_e = tl.cdiv(t_max + 1 - st_min, BLOCK_N)
+    e_a = tl.cdiv(st_max - st_min, BLOCK_N)
+    e_b = tl.maximum(e_a, (t_min + 1 - st_min) // BLOCK_N)
+    return st_min, c_hi, nb_s_full, nb_s, nb_e, e_a, e_b
+
+
+@triton.jit
 def _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D: tl.constexpr):
     """The k and v rows n < limit of a block (zeros elsewhere)."""
     if EVEN_D:
@@ -261,18 +279,7 @@ def _eva_fwd(
     r_last = tl.minimum(r_first + BLOCK_M, rows) - 1
     t_min = q_offset + r_first // GP
     t_max = q_offset + r_last // GP
-    st_min = _start(t_min, C, W, SLIDING)
-    st_max = _start(t_max, C, W, SLIDING)
-
-    # key blocks: summaries [0, nb_s) (no mask below nb_s_full), then exact keys from st_min:
-    # [0, e_a) masked, [e_a, e_b) unmasked, [e_b, nb_e) masked
-    c_full = tl.minimum(st_min // C, Nc)
-    c_hi = tl.minimum(st_max // C, Nc)
-    nb_s_full = c_full // BLOCK_N
-    nb_s = tl.cdiv(c_hi, BLOCK_N)
-    nb_e = tl.cdiv(t_max + 1 - st_min, BLOCK_N)
-    e_a = tl.cdiv(st_max - st_min, BLOCK_N)
-    e_b = tl.maximum(e_a, (t_min + 1 - st_min) // BLOCK_N)
+    st_min, c_hi, nb_s_full, nb_s, nb_e, e_a, e_b = _tile_blocks(t_min, t_max, C, W, Nc, SLIDING, BLOCK_N)
     nb = nb_s + nb_e
     blk_lo = (pid_s * nb) // NUM_SPLITS
     blk_hi = ((pid_s + 1) * nb) // NUM_SPLITS

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashswitch._common import triton_interpret
-from flashswitch.kernels_triton.eva_attention import _qk_scale, _start, _window_start
+from flashswitch.kernels_triton.eva_attention import _qk_scale, _start, _tile_blocks, _window_start
 
 BLOCK_M = gl.constexpr(128)  # rows per program: two consumer warpgroups of 64 rows
 
@@ -200,15 +200,7 @@ def _eva_fwd_gluon(
     r_last = gl.minimum(r_first + BM, Nq) - 1
     t_min = q_offset + r_first
     t_max = q_offset + r_last
-    st_min = _start(t_min, C, W, SLIDING)
-    st_max = _start(t_max, C, W, SLIDING)
-    c_full = gl.minimum(st_min // C, Nc)
-    c_hi = gl.minimum(st_max // C, Nc)
-    nb_s_full = c_full // BLOCK_N
-    nb_s = gl.cdiv(c_hi, BLOCK_N)
-    nb_e = gl.cdiv(t_max + 1 - st_min, BLOCK_N)
-    e_a = gl.cdiv(st_max - st_min, BLOCK_N)
-    e_b = gl.maximum(e_a, (t_min + 1 - st_min) // BLOCK_N)
+    st_min, c_hi, nb_s_full, nb_s, nb_e, e_a, e_b = _tile_blocks(t_min, t_max, C, W, Nc, SLIDING, BLOCK_N)
     nb = nb_s + nb_e
 
 
