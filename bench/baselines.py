@@ -278,3 +278,46 @@ def dense_equal_macs(a, b):
 __all__ = ["Unsupported", "FlexEva", "flex_attention_eva", "eva_block_mask", "eva_mask_mod", "eva_score_mod",
            "compiled_flex_attention", "sdpa_causal", "cat_sdpa_decode", "grouped_mm_unsupported",
            "grouped_mm_pipeline", "dense_equal_macs_operands", "dense_equal_macs"]
+
+
+# ================================================================ forward + backward (training) baselines
+def fwd_bwd(forward, leaves: list, cotangent: torch.Tensor):
+    """A callable running `forward(*leaves)` and the gradients of <out, cotangent> w.r.t. `leaves`
+    (torch.autograd.grad: nothing accumulates into .grad between calls): one training step of the op."""
+    leaves = [t.detach().requires_grad_(True) for t in leaves]
+
+    def step():
+        out = forward(*leaves)
+        return torch.autograd.grad(out, leaves, cotangent)
+    return step
+
+
+def flex_fwd_bwd(flex: "FlexEva", q, k, v, k_sum, v_sum, do):
+    """FlexAttention forward + backward over [k; k_sum] (concatenation in the step, so the gradients reach
+    k_sum and v_sum as EVA's do)."""
+    return fwd_bwd(lambda *t: flex(*t), [q, k, v, k_sum, v_sum], do)
+
+
+def sdpa_causal_fwd_bwd(q, k, v, do, *, q_offset=None):
+    """Full causal SDPA (flash) forward + backward over the whole sequence."""
+    return fwd_bwd(lambda a, b, c: sdpa_causal(a, b, c, q_offset=q_offset), [q, k, v], do)
+
+
+def grouped_mm_pipeline_fwd_bwd(x, expert_idx, weight, dy, gates=None, out_groups=None):
+    """The torch grouped_mm pipeline forward + backward (gradients of x, weight and gates)."""
+    why = grouped_mm_unsupported(x, weight)
+    if why:
+        raise Unsupported(why)
+    leaves = [x, weight] + ([gates] if gates is not None else [])
+
+    def forward(x_, w_, g_=None):
+        return grouped_mm_pipeline(x_, expert_idx, w_, gates=g_, out_groups=out_groups)
+    return fwd_bwd(forward, leaves, dy)
+
+
+def dense_equal_macs_fwd_bwd(a, b):
+    """The roof of a routed fwd + bwd: one dense matmul and its two gradient matmuls."""
+    return fwd_bwd(lambda a_, b_: a_ @ b_, [a, b], torch.ones(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device))
+
+
+__all__ += ["fwd_bwd", "flex_fwd_bwd", "sdpa_causal_fwd_bwd", "grouped_mm_pipeline_fwd_bwd", "dense_equal_macs_fwd_bwd"]

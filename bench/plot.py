@@ -340,7 +340,7 @@ def process(path: Path, ceilings_path: Path | None = None) -> list[Path]:
         return []
     ceilings = load_ceilings(ceilings_path.parent if ceilings_path else path.parent)
     if path.suffix == ".jsonl":  # <op>.cases.jsonl: the tables and plots keep the op's own names
-        path = path.with_name(f"{op}.json")
+        path = path.with_name(f"{op.replace('.', '_')}.json")
     written = []
     md = path.with_suffix(".md")
     md.write_text(markdown(rows, meta, ceilings, op))

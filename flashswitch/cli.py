@@ -186,13 +186,13 @@ def cmd_info(args) -> int:
 
 
 # ---------------------------------------------------------------- check
-def _compare(spec, outs, oracle, baseline, *, use_baseline: bool):
+def _compare(spec, outs, oracle, baseline, *, use_baseline: bool, problem=None):
     """(max relative error, failure message or None) of `outs` against the oracle."""
     from flashswitch.testing import assert_close, rel_error
     if len(outs) != len(oracle):
         return None, f"{len(outs)} outputs, expected {len(oracle)}"
     worst, msg = 0.0, None
-    for name, out, ref, base in zip(spec.output_names(len(outs)), outs, oracle, baseline):
+    for name, out, ref, base in zip(spec.output_names(len(outs), problem), outs, oracle, baseline):
         err = rel_error(out, ref)
         worst = max(worst, err) if err == err else float("inf")
         try:
@@ -236,13 +236,14 @@ def cmd_check(args) -> int:
                         label = registry.describe(case) + (f" seed={seed}" if args.trials > 1 else "")
                         oracle = spec.oracle_outputs(problem)
                         baseline = spec.torch_outputs(problem)
-                        for b in backends:
+                        for b in [b for b in backends if b == "reference" or b in spec.kernel_backends]:
                             if b == "triton" and device.type == "cpu" and dt == "bf16":
                                 n_skip += 1
                                 continue  # bf16 arithmetic is missing in the Triton interpreter
                             try:
                                 outs = baseline if b == "reference" else spec.kernel_outputs(b, None, problem)
-                                err, msg = _compare(spec, outs, oracle, baseline, use_baseline=b != "reference")
+                                err, msg = _compare(spec, outs, oracle, baseline, use_baseline=b != "reference",
+                                                    problem=problem)
                             except Exception as e:  # a crash is a failure of that row, not of the run
                                 err, msg = None, f"{type(e).__name__}: {e}"
                             ok = msg is None
@@ -309,16 +310,16 @@ def cmd_demo(args) -> int:
         oracle = spec.oracle_outputs(problem)
         baseline = spec.torch_outputs(problem)
         t = _table("", ["backend", "outputs", "max rel err vs fp64", "ok", "ms"])
-        for b in ["reference"] + kernels:
+        for b in ["reference"] + [k for k in kernels if k in spec.kernel_backends]:
             fn = spec.torch_callable(problem) if b == "reference" else spec.kernel_callable(b, None, problem)
             try:
                 outs = registry.as_tuple(fn())
                 err = max(rel_error(o, r) for o, r in zip(outs, oracle)) if outs else 0.0
-                for name, o, r, base in zip(spec.output_names(len(outs)), outs, oracle, baseline):
+                for name, o, r, base in zip(spec.output_names(len(outs), problem), outs, oracle, baseline):
                     assert_close(name, o, r, o.dtype, baseline=None if b == "reference" else base)
                 ok = "yes"
                 ms = _time_ms(fn, device, 5 if device.type == "cuda" or b == "reference" else 2)
-                shapes = "  ".join(f"{n} {list(o.shape)}" for n, o in zip(spec.output_names(len(outs)), outs))
+                shapes = "  ".join(f"{n} {list(o.shape)}" for n, o in zip(spec.output_names(len(outs), problem), outs))
             except Exception as e:
                 bad += 1
                 t.add_row(b + (" (auto)" if b == auto else ""), "-", "-",
@@ -363,12 +364,12 @@ def cmd_bench(args) -> int:
     if args.ceilings:
         rc |= subprocess.call([sys.executable, str(bench / "ceilings.py"), "--out", str(out)])
     for spec in registry.select(args.ops):
-        file = bench / f"bench_{spec.name}.py"
+        file = bench / f"bench_{spec.slug}.py"
         if not file.exists():
             con.print(f"{file} missing: no benchmark for {spec.name}")
             continue
-        js = out / f"{spec.name}.json"
-        cases = out / f"{spec.name}.cases.jsonl"  # every finished case, also when the run is cut short
+        js = out / f"{spec.slug}.json"
+        cases = out / f"{spec.slug}.cases.jsonl"  # every finished case, also when the run is cut short
         cases.write_text("")
         js.unlink(missing_ok=True)  # a table of an earlier run must not stand in for this one
         cmd = [sys.executable, "-m", "pytest", str(file), "-q", "-p", "no:cacheprovider",
@@ -399,7 +400,7 @@ def _quick_bench(con, specs, args) -> int:
         for shape in spec.bench_shapes:
             problem = spec.random_problem(**shape, dtype=args.dtype or "bf16", device=device)
             ref_ms = None
-            for b in ["reference"] + kernels:
+            for b in ["reference"] + [k for k in kernels if k in spec.kernel_backends]:
                 fn = spec.torch_callable(problem) if b == "reference" else spec.kernel_callable(b, None, problem)
                 try:
                     ms = bench_ms(fn)

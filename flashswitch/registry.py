@@ -71,6 +71,14 @@ class OpSpec:
     # predicate of the bench shape (memory-bound or host-bound cases)
     bench_rotate: Union[bool, Callable[[dict], bool]] = False
     torch_reference: Optional[Callable] = None
+    # the kernel backends the tooling tunes, checks and benchmarks for this entry
+    kernel_backends: tuple = ("triton", "cuda", "cupy")
+    pass_: str = "fwd"
+
+    @property
+    def slug(self) -> str:
+        """The entry's name in file names (`bench_<slug>.py`, `<slug>.json`)."""
+        return self.name.replace(".", "_")
 
     # ------------------------------------------------------------ modules
     def ops(self):
@@ -131,7 +139,7 @@ class OpSpec:
     def features(self, problem: dict) -> dict:
         return self.ops().problem_features(**problem)
 
-    def output_names(self, n: int) -> list[str]:
+    def output_names(self, n: int, problem: Optional[dict] = None) -> list[str]:
         names = list(self.outputs)
         return names[:n] + [f"out{i}" for i in range(len(names), n)]
 
@@ -356,3 +364,237 @@ def select(names=None) -> list[OpSpec]:
     if not names:
         return list(OPS.values())
     return [get(n) for n in names]
+
+
+# ---------------------------------------------------------------- backward passes
+@dataclass(frozen=True)
+class BackwardSpec(OpSpec):
+    """The backward pass of an op as the tooling sees it: entry `<op>.bwd`, the op's second table in the
+    tuned-config store and its own spaces in autotune/space.py.
+
+    A problem is the forward's plus `grad_outputs`: seeded random cotangents of the forward's outputs
+    (`cotangents(problem)` gives their shapes and dtypes; the lse cotangent only when the shape asks
+    for `dlse=True`). Outputs are the gradients of the op's differentiable inputs (`GRAD_INPUTS` of
+    the op module) that the problem holds as tensors. A timed call runs forward + backward, what a
+    training step pays. References differentiate the PyTorch reference with autograd: in the
+    problem's precision (`torch_outputs`) and on fp64 copies (`oracle_outputs`, `accurate_outputs`).
+    """
+    forward: str = ""
+    cotangents: Optional[Callable[[dict], list]] = None  # [(shape, dtype) per forward output]
+    grad_reference: Optional[Callable] = None  # (fwd spec, problem, names) -> grads, for large problems
+
+    def fwd(self) -> OpSpec:
+        return OPS[self.forward]
+
+    def random_problem(self, *, dtype="fp32", device="cpu", seed=0, **shape) -> dict:
+        want_dlse = bool(shape.pop("dlse", False))
+        problem = self.fwd().random_problem(dtype=dtype, device=device, seed=seed, **shape)
+        g = torch.Generator(device=device).manual_seed(seed + 7919)
+        grads = []
+        for i, (shp, dt) in enumerate(self.cotangents(problem)):
+            is_lse = i == len(self.fwd().outputs) - 1 and self.fwd().outputs[-1] == "lse"
+            if is_lse and not want_dlse:
+                grads.append(None)
+                continue
+            grads.append(torch.randn(shp, generator=g, device=device, dtype=torch.float32).to(dt))
+        problem["grad_outputs"] = tuple(grads)
+        return problem
+
+    @staticmethod
+    def forward_problem(problem: dict) -> dict:
+        return {k: v for k, v in problem.items() if k != "grad_outputs"}
+
+    def grad_names(self, problem: dict) -> list[str]:
+        return [n for n in self.ops().GRAD_INPUTS if isinstance(problem.get(n), torch.Tensor)]
+
+    def output_names(self, n: int, problem: Optional[dict] = None) -> list[str]:
+        names = [f"d{x}" for x in (self.grad_names(problem) if problem is not None else self.ops().GRAD_INPUTS)]
+        return names[:n] + [f"out{i}" for i in range(len(names), n)]
+
+    def _present(self, grads, problem: dict) -> tuple:
+        by_name = dict(zip(self.ops().GRAD_INPUTS, grads))
+        return tuple(by_name[n] for n in self.grad_names(problem))
+
+    # ------------------------------------------------------------ kernels: forward + backward
+    def kernel_outputs(self, backend: str, config: Optional[dict], problem: dict) -> tuple:
+        grads = self.ops().run_backward(backend, config, problem["grad_outputs"], **self.forward_problem(problem))
+        return self._present(grads, problem)
+
+    def kernel_callable(self, backend: str, config: Optional[dict], problem: dict) -> Callable[[], object]:
+        run, grad_outputs, fwd_problem = self.ops().run_backward, problem["grad_outputs"], self.forward_problem(problem)
+        return lambda: run(backend, config, grad_outputs, **fwd_problem)
+
+    def features(self, problem: dict) -> dict:
+        return self.ops().problem_features_bwd(**self.forward_problem(problem))
+
+    # ------------------------------------------------------------ references: autograd of torch_<op>
+    def reference_grads(self, problem: dict) -> tuple:
+        """Gradients of the PyTorch reference in the problem's own dtypes."""
+        names = self.grad_names(problem)
+        if self.grad_reference is not None:
+            return tuple(self.grad_reference(self.fwd(), problem, names))
+        return tuple(autograd_grads(self.fwd(), problem, names))
+
+    def torch_outputs(self, problem: dict) -> tuple:
+        return self.reference_grads(problem)
+
+    def torch_callable(self, problem: dict) -> Callable[[], object]:
+        return lambda: self.reference_grads(problem)
+
+    def oracle_outputs(self, problem: dict) -> tuple:
+        """fp64 autograd of the PyTorch reference on the CPU (the NumPy oracle has no gradients)."""
+        cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in problem.items() if k != "grad_outputs"}
+        cpu["grad_outputs"] = tuple(None if g is None else g.cpu().to(torch.float64) for g in problem["grad_outputs"])
+        return self.reference_grads(upcast(cpu, torch.float64))
+
+    def accurate_outputs(self, problem: dict) -> tuple:
+        prob = upcast(self.forward_problem(problem), torch.float64)
+        prob["grad_outputs"] = tuple(None if g is None else g.to(torch.float64) for g in problem["grad_outputs"])
+        return self.reference_grads(prob)
+
+    def throughput(self, problem: dict, ms: float) -> dict:
+        return OpSpec.throughput(self, problem, ms)
+
+
+def autograd_grads(fwd: OpSpec, problem: dict, names: list[str], outputs_of=None) -> list:
+    """d(sum_i <out_i, grad_outputs_i>) / d(problem[n]) for n in `names` by autograd of the forward's
+    PyTorch reference (zeros where an input does not reach the outputs). `outputs_of(args)` replaces
+    the reference call (e.g. one query block of it)."""
+    prob = {k: v for k, v in problem.items() if k != "grad_outputs"}
+    leaves = {n: prob[n].detach().requires_grad_(True) for n in names}
+    prob.update(leaves)
+    args = fwd._ref_args(prob)
+    with torch.enable_grad():
+        outs = as_tuple(outputs_of(args) if outputs_of else fwd.torch_fn()(**args))
+        pairs = [(o, g) for o, g in zip(outs, problem["grad_outputs"]) if g is not None]
+        grads = torch.autograd.grad([o for o, _ in pairs], [leaves[n] for n in names],
+                                    [g.to(o.dtype) for o, g in pairs], allow_unused=True)
+    return [torch.zeros_like(leaves[n]) if d is None else d for n, d in zip(names, grads)]
+
+
+def _eva_grads_blocked(fwd: OpSpec, problem: dict, names: list[str]) -> list:
+    """autograd_grads of op 2 one query block at a time (the loss is a sum over query rows, so the
+    gradients of k, v, k_sum, v_sum and the bias add up over blocks and dq is blockwise): the dense
+    reference's [rows, Nk + Nc] logits of one block at a time fit in memory at N = 32768."""
+    from flashswitch.reference.eva_attention import default_q_offset, torch_eva_attention
+    q, k, k_sum = problem["q"], problem["k"], problem["k_sum"]
+    B, H, Nq, D = q.shape
+    Nk, Nc = k.shape[2], k_sum.shape[2]
+    rows = max(1, EVA_REFERENCE_BLOCK // max(1, B * H * (Nk + Nc)))
+    if Nq <= rows:
+        return autograd_grads(fwd, problem, names)
+    off = default_q_offset(Nq, Nk, problem.get("q_offset"))
+    total = {n: torch.zeros_like(problem[n]) for n in names}
+    for i in range(0, Nq, rows):
+        n = min(rows, Nq - i)
+        end = min(Nk, off + i + n)
+        part = dict(problem)
+        part["q"] = q[:, :, i:i + n]
+        part["grad_outputs"] = tuple(None if g is None else g[:, :, i:i + n] for g in problem["grad_outputs"])
+        grads = autograd_grads(fwd, part, names, outputs_of=lambda a, i=i, end=end: torch_eva_attention(
+            **{**a, "k": a["k"][:, :, :end], "v": a["v"][:, :, :end], "q_offset": off + i, "return_lse": True}))
+        for name, d in zip(names, grads):
+            if name == "q":
+                total["q"][:, :, i:i + n] = d
+            else:
+                total[name] += d
+    return [total[n] for n in names]
+
+
+def _with_bwd_flops(cost: Callable[[dict], dict], factor: float, bwd_bytes: Callable[[dict], int]):
+    """A forward cost scaled to forward + backward: flops x `factor`, bytes plus the backward's."""
+    def fwd_bwd(p: dict) -> dict:
+        c = cost(p)
+        out = {}
+        if c.get("flops"):
+            out["flops"] = c["flops"] * factor
+        if c.get("bytes"):
+            out["bytes"] = c["bytes"] + bwd_bytes(p)
+        return out
+    return fwd_bwd
+
+
+def _chunk_summaries_bwd_bytes(p: dict) -> int:
+    """The backward's essential traffic: k, v, dk_sum, dv_sum (and a per-chunk omega) read, dk, dv (and
+    d omega per chunk) written."""
+    k = p["k"]
+    B, H, N, D = k.shape
+    Nc = -(-N // p["chunk_size"])
+    per_chunk = nbytes(p["omega"]) if p.get("omega") is not None and p["omega"].dim() == 4 else 0
+    return 2 * nbytes(k) + 2 * nbytes(p["v"]) + 2 * B * H * Nc * D * k.element_size() + 2 * per_chunk
+
+
+def _chunk_summaries_cotangents(p: dict) -> list:
+    """(shape, dtype) of k_sum, v_sum and lse."""
+    B, H, N, D = p["k"].shape
+    Nc = -(-N // p["chunk_size"])
+    return [((B, H, Nc, D), p["k"].dtype), ((B, H, Nc, D), p["v"].dtype), ((B, H, Nc), torch.float32)]
+
+
+def _eva_bwd_bytes(p: dict) -> int:
+    return 2 * _eva_attention_cost(p)["bytes"]
+
+
+def _expert_matmul_bwd_bytes(p: dict) -> int:
+    return 2 * _expert_matmul_cost(p)["bytes"]
+
+
+CHUNK_SUMMARIES_BWD = BackwardSpec(
+    name="chunk_summaries.bwd", pass_="bwd", forward="chunk_summaries",
+    ops_module="flashswitch.ops.chunk_summaries", reference_module="flashswitch.reference.chunk_summaries",
+    cost=_with_bwd_flops(_chunk_summaries_cost, 3.0, _chunk_summaries_bwd_bytes), unit="GB/s",
+    cotangents=lambda p: _chunk_summaries_cotangents(p),
+    reference_kwargs={"return_lse": True},
+    check_cases=(
+        dict(B=2, H=3, N=50, D=32, C=8),
+        dict(B=1, H=2, N=37, D=76, C=16, omega="head", valid=True, dlse=True),
+        dict(B=2, H=2, N=64, D=64, C=16, omega="chunk", key_weight=True, layout="strided"),
+        dict(B=1, H=2, N=21, D=16, C=1, omega="head", key_weight=True),
+    ),
+    demo_case=dict(B=1, H=4, N=256, D=64, C=16, omega="head"),
+    bench_shapes=(dict(B=1, H=16, N=32768, D=128, C=16), dict(B=2, H=16, N=8192, D=128, C=16)),
+    bench_x="N", bench_compare=("reference",), bench_rotate=True, kernel_backends=("triton",),
+)
+
+EVA_ATTENTION_BWD = BackwardSpec(
+    name="eva_attention.bwd", pass_="bwd", forward="eva_attention",
+    ops_module="flashswitch.ops.eva_attention", reference_module="flashswitch.reference.eva_attention",
+    cost=_with_bwd_flops(_eva_attention_cost, 3.5, _eva_bwd_bytes), unit="TFLOP/s",
+    cotangents=lambda p: [(p["q"].shape, p["q"].dtype), (p["q"].shape[:3], torch.float32)],
+    reference_kwargs={"return_lse": True}, torch_reference=eva_reference_blocked,
+    grad_reference=_eva_grads_blocked,
+    check_cases=(
+        dict(B=1, H=2, Hkv=1, Nk=40, D=16, C=4, W=8),
+        dict(B=1, H=2, Hkv=2, Nk=37, D=24, C=2, W=8, window="sliding", summary_bias="log_count", dlse=True),
+        dict(B=1, H=4, Hkv=2, Nq=5, Nk=29, D=16, C=4, W=12, window="sliding", layout="strided"),
+        dict(B=2, H=4, Hkv=2, Nq=1, Nk=50, D=16, C=4, W=8, summary_bias="tensor"),
+    ),
+    demo_case=dict(B=1, H=4, Hkv=2, Nk=128, D=32, C=8, W=32),
+    bench_shapes=EVA_ATTENTION.bench_shapes[:3],
+    bench_x="Nk", bench_compare=("flex", "sdpa_causal"), bench_plot={"kind": "speedup", "over": "flex"},
+    kernel_backends=("triton",),
+)
+
+EXPERT_MATMUL_BWD = BackwardSpec(
+    name="expert_matmul.bwd", pass_="bwd", forward="expert_matmul",
+    ops_module="flashswitch.ops.expert_matmul", reference_module="flashswitch.reference.expert_matmul",
+    cost=_with_bwd_flops(_expert_matmul_cost, 3.0, _expert_matmul_bwd_bytes), unit="TFLOP/s",
+    cotangents=lambda p: [((p["expert_idx"].shape[0],
+                            p["expert_idx"].shape[1] if p.get("out_groups") is None else int(p["out_groups"]),
+                            p["weight"].shape[2]), p["x"].dtype)],
+    reference_args=_expert_matmul_reference_args,
+    check_cases=(
+        dict(T=20, S=4, E=6, d_in=24, d_out=16, G_out=2),
+        dict(T=13, S=6, E=10, d_in=20, d_out=12, G_in=2, G_out=1),
+        dict(T=9, S=2, E=3, d_in=16, d_out=8, gated=False, routing="duplicates"),
+        dict(T=11, S=3, E=5, d_in=8, d_out=20, G_in=3, routing="sparse"),
+    ),
+    demo_case=dict(T=64, S=4, E=8, d_in=64, d_out=32, G_out=2),
+    bench_shapes=EXPERT_MATMUL.bench_shapes + (
+        dict(T=16384, S=6, E=10, d_in=412, d_out=76, G_out=2, gated=True),
+        dict(T=16384, S=6, E=10, d_in=76, d_out=412, G_in=2, G_out=1, gated=True)),
+    bench_x="T", bench_compare=("grouped_mm_pipeline",), bench_roof="dense_equal_macs",
+    bench_plot={"kind": "bars"}, bench_rotate=True, kernel_backends=("triton",),
+)
+
+OPS.update({spec.name: spec for spec in (CHUNK_SUMMARIES_BWD, EVA_ATTENTION_BWD, EXPERT_MATMUL_BWD)})

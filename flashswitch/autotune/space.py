@@ -439,6 +439,25 @@ TUNE_SHAPES = {
         dict(T=16384, S=6, E=10, d_in=412, d_out=76, G_out=2, gated=True),              # SwitchHead-47M V
         dict(T=16384, S=6, E=10, d_in=76, d_out=412, G_in=2, G_out=1, gated=True),      # SwitchHead-47M O
     ],
+    # backward passes (the tuner times forward + backward): the training shapes of the benchmarks
+    "chunk_summaries.bwd": [
+        dict(B=1, H=16, N=32768, D=128, C=16),
+        dict(B=1, H=16, N=32768, D=64, C=16),
+    ],
+    "eva_attention.bwd": [
+        dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=16, W=2048, window="block"),
+        dict(B=2, H=16, Hkv=16, Nk=16384, D=64, C=16, W=2048, window="block"),
+        dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=32, W=256, window="sliding"),
+        dict(B=2, H=16, Hkv=4, Nk=8192, D=128, C=16, W=1024, window="block"),
+    ],
+    "expert_matmul.bwd": [
+        dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True),            # SwitchHead-262M V
+        dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True),    # SwitchHead-262M O
+        dict(T=16384, S=8, E=512, d_in=1024, d_out=128, G_out=8, gated=False),          # sigma-MoE up
+        dict(T=16384, S=8, E=512, d_in=128, d_out=1024, G_in=8, G_out=1, gated=True),   # sigma-MoE down
+        dict(T=16384, S=6, E=10, d_in=412, d_out=76, G_out=2, gated=True),              # SwitchHead-47M V
+        dict(T=16384, S=6, E=10, d_in=76, d_out=412, G_in=2, G_out=1, gated=True),      # SwitchHead-47M O
+    ],
 }
 
 

@@ -232,7 +232,7 @@ def _verify_fn(spec: registry.OpSpec, backend: str, problem: dict, dtype: torch.
             outs = spec.kernel_outputs(backend, cfg, problem)
         if len(outs) != len(expected):
             raise AssertionError(f"{len(outs)} outputs, expected {len(expected)}")
-        names = spec.output_names(len(outs))
+        names = spec.output_names(len(outs), problem)
         for name, out, ref, base in zip(names, outs, expected, baseline):
             assert_close(name, out, ref, out.dtype if out.is_floating_point() else dtype, baseline=base)
     return verify
@@ -393,7 +393,7 @@ def _tune_bucket(spec: registry.OpSpec, problem: dict, shape: dict, dt: str, ker
     per_backend: dict = {}
     failures: dict = {}
     complete = True
-    for backend in kernels:
+    for backend in [b for b in kernels if b in spec.kernel_backends]:
         configs = space.config_space(spec.name, backend, feats)
         bar.backend(f"{backend} ({len(configs)} configs)", len(configs))
         result = sweep_configs(
