@@ -16,14 +16,21 @@ if [ -z "$PY" ]; then
     echo "== setting up .venv (torch ${FLASHSWITCH_TORCH_SPEC:-torch==2.14.1}, test tools, flashswitch)" >&2
     python3 -m venv .venv
     "$PY" -m pip install -q --upgrade pip setuptools wheel
-    "$PY" -m pip install -q "${FLASHSWITCH_TORCH_SPEC:-torch==2.14.1}" numpy ninja rich tqdm matplotlib \
-      pytest hypothesis pytest-benchmark
+    echo "== installing torch and the test tools (a few minutes on first use)" >&2
+    "$PY" -m pip install --progress-bar on "${FLASHSWITCH_TORCH_SPEC:-torch==2.14.1}" numpy ninja rich tqdm \
+      matplotlib pytest hypothesis pytest-benchmark 2>&1 | { grep -E "^(Collecting|Downloading|Installing|Successfully)|ERROR" >&2 || true; }
+    echo "== building flashswitch (the CUDA extension when nvcc is found)" >&2
     "$PY" -m pip install --no-build-isolation -v -e . 2>&1 | grep -E "flashswitch setup|nvcc|\[[0-9]+/[0-9]+\]|error|Successfully" >&2
   fi
 fi
 
 cmd="${1:-demo}"
 shift || true
+if [ "$cmd" = "-h" ] || [ "$cmd" = "--help" ] || [ "$cmd" = "help" ]; then
+  echo "usage: ./fs {demo,info,check,bench,autotune} [args] | ./fs test [pytest args]"
+  echo "  test      the test suite (pytest tests ...)"
+  exec "$PY" -m flashswitch --help
+fi
 if [ "$cmd" = "test" ]; then
   exec "$PY" -m pytest tests "$@"
 fi

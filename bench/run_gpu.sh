@@ -56,7 +56,7 @@ stage autotune && STAGE_LIMIT=$(limit "${TUNE_LIMIT:-}") run autotune $PY -m fla
 if stage bench; then
   for op in ${OPS//,/ }; do
     STAGE_LIMIT=$(limit "${BENCH_LIMIT:-}") run "bench_$op" $PY -m flashswitch bench --ops "$op" -- ${BENCH_K:+-k "$BENCH_K"}
-    for cases in bench/results/*/"$op".cases.jsonl; do  # cut short by its limit: tables from the finished cases
+    for cases in bench/results/*/"${op//./_}".cases.jsonl; do  # cut short by its limit: tables from the finished cases
       js="${cases%.cases.jsonl}.json"
       if [ -s "$cases" ] && { [ ! -s "$js" ] || [ "$cases" -nt "$js" ]; }; then $PY bench/plot.py "$cases"; pack; fi
     done

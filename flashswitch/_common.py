@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 import torch
 
 BACKENDS = ("reference", "triton", "cuda", "cupy")
+BACKEND_ENV = "FLASHSWITCH_BACKEND"  # forces the backend that backend="auto" picks
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -99,7 +100,10 @@ def _resolve_backend(op: str, backend: str, device: str, bucket: Optional[tuple]
     device = torch.device(device)
     bucket = None if bucket is None else dict(bucket)
     if backend == "auto":
-        backend = os.environ.get("FLASHSWITCH_BACKEND", "auto")
+        backend = os.environ.get(BACKEND_ENV, "auto").strip() or "auto"
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"environment variable {BACKEND_ENV}={backend!r} is not a backend; expected one of "
+                             f"{BACKENDS} or 'auto'")
     if backend == "auto":
         if device.type != "cuda":
             return "reference"
@@ -129,9 +133,14 @@ def eager_fast_path(*tensors) -> bool:
 
 
 # ---------------------------------------------------------------- outputs
+def env_flag(name: str) -> bool:
+    """A boolean environment variable: unset, empty, 0, false, no and off (any case) read as off."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def poison_outputs() -> bool:
     """FLASHSWITCH_POISON=1 fills every kernel output with NaN before launch (tests set it)."""
-    return os.environ.get("FLASHSWITCH_POISON", "0") not in ("", "0")
+    return env_flag("FLASHSWITCH_POISON")
 
 
 def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -356,8 +356,9 @@ def cmd_bench(args) -> int:
     if bench is None:
         con.print("bench/ not found: run from the repository root (the suite is not part of the installed package)")
         return 2
-    if not torch.cuda.is_available():
-        con.print("[yellow]no GPU: the benchmark suite will skip every case[/yellow]")
+    if not torch.cuda.is_available():  # every case would skip: write no result files either
+        con.print("the benchmark suite times CUDA kernels and needs a GPU; none is visible")
+        return 2
     out = Path(args.out) if args.out else bench / "results" / _device_slug()
     out.mkdir(parents=True, exist_ok=True)
     rc = 0

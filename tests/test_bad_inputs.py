@@ -160,3 +160,21 @@ def test_cs_k_on_cpu_v_on_gpu():
     k, v, C = _cs_args()
     with pytest.raises(ValueError, match="^v "):
         _cs(k=k.cpu(), v=v.cuda())
+
+
+# ---------------------------------------------------------------- environment variables
+def test_bad_backend_variable_names_it(monkeypatch):
+    monkeypatch.setenv("FLASHSWITCH_BACKEND", "tritn")
+    k = torch.randn(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="FLASHSWITCH_BACKEND"):
+        flashswitch.chunk_summaries(k, k, 4)
+
+
+@pytest.mark.parametrize("value,on", [("0", False), ("false", False), ("No", False), ("OFF", False), ("", False),
+                                      ("1", True), ("yes", True), ("true", True)])
+def test_poison_variable_reads_off_words(monkeypatch, value, on):
+    from flashswitch._common import new_output, poison_outputs
+    monkeypatch.setenv("FLASHSWITCH_POISON", value)
+    assert poison_outputs() == on
+    if on:
+        assert torch.isnan(new_output((3,), torch.float32, torch.device("cpu"))).all()

@@ -96,6 +96,13 @@ def test_bench_quick_refuses_without_gpu(capsys):
     assert cli.main(["bench", "--quick"]) == 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
+def test_bench_without_gpu_writes_nothing(tmp_path):
+    out = tmp_path / "results"
+    assert cli.main(["bench", "--ops", "chunk_summaries", "--out", str(out)]) == 2
+    assert not out.exists()
+
+
 def test_autotune_first_n_shapes(monkeypatch):
     """`autotune --first N` hands the tuner the first N shapes of each op (issue shapes first), and
     `--shape I ...` the chosen ones."""
@@ -115,3 +122,11 @@ def test_autotune_first_n_shapes(monkeypatch):
     assert cli.main(["autotune", "--no-progress"]) == 0 and seen["shapes"] is None
     assert cli.main(["autotune", "--ops", "eva_attention", "--shape", "1", "3", "--no-progress"]) == 0
     assert seen["shapes"]["eva_attention"] == [space.TUNE_SHAPES["eva_attention"][i] for i in (1, 3)]
+
+
+def test_fs_help_lists_test():
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(["bash", str(root / "fs"), "--help"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "FLASHSWITCH_PYTHON": sys.executable})
+    assert out.returncode == 0
+    assert "test" in out.stdout.split("\n")[1] and "autotune" in out.stdout
