@@ -165,6 +165,33 @@ def flex_attention_eva(q, k, v, k_sum, v_sum, *, chunk_size, window_size, window
     return flex(q, k, v, k_sum, v_sum)
 
 
+def compile_failures() -> tuple:
+    """The exception types of torch.compile failing to build a kernel (not of a wrong answer)."""
+    out = []
+    try:
+        from torch._dynamo.exc import BackendCompilerFailed
+        out.append(BackendCompilerFailed)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from torch._inductor.exc import InductorError
+        out.append(InductorError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(out)
+
+
+def flex_or_unsupported(fn):
+    """`fn()` (a FlexAttention call, compiled on first use); a shape torch cannot compile becomes
+    `Unsupported` with the compiler's last message line (e.g. Inductor's flex decoding kernel rejects some
+    GQA decode shapes), so benchmarks and tests report it instead of failing."""
+    try:
+        return fn()
+    except compile_failures() as err:
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+        raise Unsupported(f"FlexAttention did not compile: {type(err).__name__}: {lines[-1] if lines else ''}"[:300])
+
+
 def _sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     kw = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **kw)
@@ -275,7 +302,7 @@ def dense_equal_macs(a, b):
     return a @ b
 
 
-__all__ = ["Unsupported", "FlexEva", "flex_attention_eva", "eva_block_mask", "eva_mask_mod", "eva_score_mod",
+__all__ = ["Unsupported", "flex_or_unsupported", "FlexEva", "flex_attention_eva", "eva_block_mask", "eva_mask_mod", "eva_score_mod",
            "compiled_flex_attention", "sdpa_causal", "cat_sdpa_decode", "grouped_mm_unsupported",
            "grouped_mm_pipeline", "dense_equal_macs_operands", "dense_equal_macs"]
 
