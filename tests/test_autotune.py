@@ -247,7 +247,8 @@ def _timer(ref_ms):
 
 def test_tune_end_to_end_on_a_fake_op(tmp_path, monkeypatch):
     _fake_modules(monkeypatch, wrong=(2,))  # the fastest config is wrong: never saved
-    other = {"device": "cpu", "ops": {"chunk_summaries": {"k": {"features": {}, "best": "triton", "backends": {}}}}}
+    other = {"device": "cpu", "ops": {"chunk_summaries": {"k": {"features": {}, "best": "triton", "backends": {
+        "triton": {"config": {"BLOCK_CHUNKS": 2, "num_warps": 1, "num_stages": 1}, "ms": 0.5}}}}}}
     store.save(other, tmp_path / "cpu.json")
     res = T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",
                  time_fn=_timer(1.0), progress=False, budget_s=60)

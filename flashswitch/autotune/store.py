@@ -9,18 +9,20 @@ File: `<config dir>/<device name>.json`, the folder being FLASHSWITCH_CONFIG_DIR
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import math
 import os
 import re
-import tempfile
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Optional
 
-from flashswitch.autotune import space
+from flashswitch.autotune import schema, space
 
 PACKAGE_CONFIGS = Path(__file__).resolve().parent / "configs"
 
@@ -66,16 +68,44 @@ def bucket_key(feats: dict) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _load(path: str, mtime: float) -> dict:
+    """The file's valid part, read and checked against the schema once per version of the file: one
+    warning names what was dropped (an unreadable file gives {"ops": {}})."""
     try:
         with open(path) as fh:
-            data = json.load(fh)
-        if not isinstance(data, dict) or not isinstance(data.get("ops"), dict):
-            raise ValueError("no 'ops' table")
-        return data
-    except (OSError, ValueError) as err:
-        warnings.warn(f"flashswitch: ignoring unreadable tuned-config file {path} ({err}); "
-                      f"using heuristic defaults", RuntimeWarning, stacklevel=3)
+            data, problems = schema.clean(json.load(fh))
+    except (OSError, ValueError, RecursionError) as err:
+        warnings.warn(f"flashswitch: ignoring unreadable tuned-config file {path} ({type(err).__name__}: "
+                      f"{str(err)[:200]}); using heuristic defaults", RuntimeWarning, stacklevel=3)
         return {"ops": {}}
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        warnings.warn(f"flashswitch: tuned-config file {path}: ignoring {len(problems)} invalid entries, whose "
+                      f"buckets use the nearest valid entry or the defaults: {'; '.join(problems[:3])}{more}",
+                      RuntimeWarning, stacklevel=3)
+    return data
+
+
+@functools.lru_cache(maxsize=8)
+def _check_provenance(path: str, mtime: float) -> None:
+    """Warn once per file version when it was tuned on another device, capability or library version
+    than this process runs: its configs still load, but may no longer be the fastest."""
+    import torch
+    data = _load(path, mtime)
+    here = {"device": device_name(),
+            "capability": list(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None}
+    try:
+        import triton
+        here["triton"] = triton.__version__
+    except Exception:
+        here["triton"] = None
+    here["torch"] = torch.__version__
+    theirs = {"device": data.get("device"), "capability": data.get("capability"),
+              **{k: (data.get("versions") or {}).get(k) for k in ("torch", "triton")}}
+    diff = [f"{k} {theirs[k]} (here {here[k]})" for k in here if theirs.get(k) is not None and theirs[k] != here[k]]
+    if diff:
+        warnings.warn(f"flashswitch: tuned-config file {path} was made with {', '.join(diff)}; its configs are "
+                      f"used but may not be the fastest here (re-run `flashswitch autotune`)", RuntimeWarning,
+                      stacklevel=4)
 
 
 # Every kernel call looks its config up: a file is stat'ed at most once a second per process
@@ -107,16 +137,15 @@ def load(path: Optional[Path] = None) -> dict:
 
 
 def save(data: dict, path: Path) -> None:
-    """Write atomically: a reader sees the old file or the new one, never half of one."""
+    """Write atomically: a reader sees the old file or the new one, never half of one. The file is
+    created with the process's umask as any new file is (the umask itself is left alone)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=1, sort_keys=True)
             fh.write("\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
         os.replace(tmp, path)
         _stat_cache.pop(str(path), None)  # this process sees its own write at once
         _file_memo.clear()
@@ -124,6 +153,39 @@ def save(data: dict, path: Path) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """An exclusive advisory lock on the config folder (flock on the folder itself: no lock file)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def update(path: Path, tables: dict, header: Optional[dict] = None) -> dict:
+    """Merge `tables` ({table: {bucket key: entry}}) and `header` into the file at `path` and write it
+    atomically, under a lock on its folder: two tuners writing at once each re-read the other's buckets
+    before writing, so neither loses any. Returns the merged data (the valid part of the old file plus
+    the updates)."""
+    with _folder_lock(path.parent):
+        data = {"ops": {}}
+        if path.exists():
+            try:
+                with open(path) as fh:
+                    data, _ = schema.clean(json.load(fh))
+            except (OSError, ValueError, RecursionError):
+                data = {"ops": {}}  # an unreadable file is replaced (load() has warned about it)
+        data = {**data, **(header or {}), "ops": dict(data["ops"])}
+        for table, entries in tables.items():
+            data["ops"][table] = {**data["ops"].get(table, {}), **entries}
+        save(data, path)
+    return data
 
 
 def _distance(a: dict, b: dict) -> float:
@@ -166,6 +228,8 @@ def _entry(op: str, feats: dict, backend: Optional[str] = None) -> Optional[dict
     mtime = None if path is None else _mtime(str(path))
     key = (str(path), mtime, op, bucket_key(feats), backend)
     if key not in _entry_memo:
+        if mtime is not None:
+            _check_provenance(str(path), mtime)
         if len(_entry_memo) > 4096:
             _entry_memo.clear()
         _entry_memo[key] = _search(load(path) if mtime is not None else {"ops": {}}, op, feats, backend)

@@ -344,9 +344,8 @@ def tune(ops: Optional[Sequence[str]] = None, backends: Optional[Sequence[str]] 
                 say(f"[skip] {label}: no backend produced a verified result")
                 continue
             _keep_unswept(record, old)
-            data["ops"].setdefault(spec.name, {})[store.bucket_key(record["features"])] = record
             tuned += 1
-            _save(data, header, budget_s, path)
+            data = _save({spec.name: {store.bucket_key(record["features"]): record}}, header, budget_s, path)
             b = record["best"]
             say(f"[ok] {label}: best {b} {record['backends'][b]['ms']:.4f} ms"
                 + ("" if record["complete"] else " (budget spent mid-bucket)"))
@@ -361,7 +360,7 @@ def tune(ops: Optional[Sequence[str]] = None, backends: Optional[Sequence[str]] 
     if stopped == "budget":
         say(f"time budget of {budget_s:.0f} s spent: kept {tuned} of {len(plan)} buckets")
     if tuned:
-        _save(data, header, budget_s, path)
+        data = _save({}, header, budget_s, path)
     return {"path": path, "data": data, "buckets": tuned, "planned": len(plan), "stopped": stopped}
 
 
@@ -376,11 +375,11 @@ def _keep_unswept(record: dict, old: Optional[dict]) -> None:
         record["best"] = choose_best({b: e["ms"] for b, e in record["backends"].items()})
 
 
-def _save(data: dict, header: dict, budget_s: float, path: Path) -> None:
-    data.update(header)
-    data["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    data["budget_s"] = float(budget_s)
-    store.save(data, path)
+def _save(tables: dict, header: dict, budget_s: float, path: Path) -> dict:
+    """Merge the buckets just tuned into the file (store.update: other writers' buckets are kept)."""
+    stamp = {**header, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+             "budget_s": float(budget_s)}
+    return store.update(path, tables, stamp)
 
 
 def _tune_bucket(spec: registry.OpSpec, problem: dict, shape: dict, dt: str, kernels: list[str],
