@@ -287,3 +287,15 @@ def test_eager_fast_path_matches_custom_op(backend):
     slow = flashswitch.chunk_summaries(**dict(p, k=k), return_lse=True, backend=backend)
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=0, equal_nan=False)
+
+
+def test_chunk_longer_than_the_sequence_returns_at_once(backend):
+    """A chunk_size far above N is one chunk of all N tokens; the kernel loops over the tokens, not
+    over chunk_size."""
+    import time
+    p = random_problem(2, 3, 37, 16, 4, dtype=torch.float32, device=DEVICE, seed=1)
+    p["chunk_size"] = 2 ** 40
+    t0 = time.perf_counter()
+    out = _run(backend, p)
+    assert time.perf_counter() - t0 < 60
+    _check(out, p)

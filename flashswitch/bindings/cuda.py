@@ -56,8 +56,9 @@ def chunk_summaries(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_
     omega: None or a [B, H, Nc, D] view (stride 0 where shared); key_weight: None or [H, D];
     valid: None or bool [B, N]. Last dims contiguous, other strides free."""
     threads, unroll, split = chunk_summaries_config(config)
+    C = min(int(chunk_size), max(k.shape[2], 1))  # a chunk longer than N holds tokens [0, N)
     torch.ops.flashswitch_C.chunk_summaries_fwd(k, v, omega, key_weight, valid, k_sum, v_sum, lse,
-                                                int(chunk_size), float(scale), threads, unroll, split)
+                                                C, float(scale), threads, unroll, split)
 
 
 __all__ = ["available", "unavailable_reason", "chunk_summaries", "chunk_summaries_config", "CS_DEFAULTS"]

@@ -235,6 +235,7 @@ def chunk_summaries(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_
     if C < 1:
         raise ValueError(f"chunk_summaries: chunk_size must be >= 1, got {C}")
     B, H, N, D = k.shape
+    C = min(C, max(N, 1))  # a chunk longer than N holds tokens [0, N)
     Nc = -(-N // C)
     if D > CS_MAX_D:
         raise ValueError(f"chunk_summaries: head dim D = {D} is larger than the CUDA kernel's limit {CS_MAX_D}")
