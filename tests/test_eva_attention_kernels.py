@@ -642,3 +642,19 @@ def test_long_decode(backend, Hkv):
     assert_close("o", o, ref_o, torch.bfloat16, baseline=base_o)
     assert_close("lse", lse, ref_l, F32, baseline=base_l)
     assert math.isfinite(float(lse.sum()))
+
+
+@pytest.mark.parametrize("bias", [None, "tensor"])
+def test_batch_heads_past_the_grid_limit(backend, bias, monkeypatch):
+    """B * H above CUDA's 65535 on grid axis 1 (large decode batches): the Triton launcher runs slices of
+    the batch. On the CPU the limit is lowered to exercise the slicing on a small problem."""
+    if backend != "triton":
+        pytest.skip("the grid limit is the Triton launcher's")
+    from flashswitch.kernels_triton import eva_attention as K
+    if DEVICE == "cpu":
+        monkeypatch.setattr(K, "MAX_GRID_Y", 7)
+        p = random_problem(5, 4, 2, 1, 40, 16, 4, 8, summary_bias=bias, device=DEVICE, seed=3)
+    else:
+        p = random_problem(4100, 16, 16, 1, 64, 32, 4, 16, summary_bias=bias, dtype=torch.bfloat16,
+                           device=DEVICE, seed=3)
+    _check(_run(backend, p), p)

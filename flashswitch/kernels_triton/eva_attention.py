@@ -51,6 +51,7 @@ except ImportError:  # pragma: no cover
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
+MAX_GRID_Y = 65535  # CUDA's limit on grid axes 1 and 2
 
 BIAS_NONE, BIAS_TENSOR, BIAS_LOG_COUNT = 0, 1, 2
 
@@ -556,6 +557,16 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
         return
     if D > MAX_HEAD_DIM:
         raise ValueError(f"q has head dim {D}; the triton backend supports D <= {MAX_HEAD_DIM}")
+    if B * H > MAX_GRID_Y:  # grid axis 1 holds (batch, head): launch slices of the batch (large decode batches)
+        if H > MAX_GRID_Y:
+            raise ValueError(f"q has {H} heads; the triton backend takes at most {MAX_GRID_Y}")
+        step = MAX_GRID_Y // H
+        for b0 in range(0, B, step):
+            sl = slice(b0, b0 + step)
+            launch(q[sl], k[sl], v[sl], k_sum[sl], v_sum[sl], None if bias is None else bias[sl], o[sl], lse[sl],
+                   chunk_size=chunk_size, window_size=window_size, sliding=sliding, scale=scale, q_offset=q_offset,
+                   log_count=log_count, config=config)
+        return
     C, W = int(chunk_size), int(window_size)
     q_offset = int(q_offset)
     if config and config.get("GLUON"):  # the warp-specialized Hopper kernel, where it applies
