@@ -37,6 +37,7 @@ def features(op: str, **kw) -> dict:
 # features that only change the grid: bucketed to powers of two
 _ROUNDED = {
     "chunk_summaries": ("rows",),
+    "chunk_summaries.bwd": ("rows",),
     "eva_attention": ("rows", "keys"),
     "expert_matmul": ("tokens",),
 }
@@ -91,6 +92,52 @@ def _cs_triton_default(f: dict) -> dict:
         w *= 2
     cfg = {"BLOCK_CHUNKS": cb, "num_warps": w, "num_stages": 1}
     if bj < bj_max:
+        cfg["BLOCK_J"] = bj
+    return cfg
+
+
+def _cs_bwd_triton_fits(cb: int, bj: int, block_d: int, w: int, per_thread: int = 64) -> bool:
+    """Whether the backward's tiles fit in registers: it holds k and v tiles and builds dk and dv
+    tiles of the same size, so it allows fewer elements of a tile per thread than the forward
+    (at most 64, the launcher's limit; the default aims at 32)."""
+    return cb * bj * block_d <= per_thread * 32 * w
+
+
+def _cs_bwd_triton_space(f: dict) -> list[dict]:
+    # Same knobs as the forward (kernels_triton/chunk_summaries_bwd.py). BLOCK_CHUNKS batches short
+    # chunks per program; a BLOCK_J below the chunk size reads a chunk in pieces, and a chunk longer
+    # than one piece is read twice (statistics, then gradients), so smaller pieces are only offered
+    # past 32 tokens. More warps keep a larger tile in registers; with fewer than 8 elements per
+    # thread the loads are too narrow. num_stages does not change this kernel (no dot).
+    bj_max, block_d = _cs_triton_blocks(f)
+    out = []
+    for bj in sorted({bj_max} | {b for b in (16, 32) if b < bj_max}):
+        for cb, w in itertools.product((1, 2, 4, 8, 16, 32), (1, 2, 4, 8)):
+            if cb > 1 and bj < bj_max:
+                continue
+            if not _cs_bwd_triton_fits(cb, bj, block_d, w) or cb * bj * block_d < 8 * 32 * w:
+                continue
+            cfg = {"BLOCK_CHUNKS": cb, "num_warps": w, "num_stages": 1}
+            if bj < bj_max:
+                cfg["BLOCK_J"] = bj
+            out.append(cfg)
+    return out or [_cs_bwd_triton_default(f)]
+
+
+def _cs_bwd_triton_default(f: dict) -> dict:
+    # the whole chunk in one piece when 8 warps can hold it (one read of k and v), batching short
+    # chunks up to about 4096 tile elements per program, with 32 per thread
+    bj, block_d = _cs_triton_blocks(f)
+    while bj > 1 and not _cs_bwd_triton_fits(1, bj, block_d, 8, 32):
+        bj //= 2
+    cb = 1
+    while cb < 32 and 2 * cb * bj * block_d <= 4096:
+        cb *= 2
+    w = 1
+    while w < 8 and not _cs_bwd_triton_fits(cb, bj, block_d, w, 32):
+        w *= 2
+    cfg = {"BLOCK_CHUNKS": cb, "num_warps": w, "num_stages": 1}
+    if bj < _cs_triton_blocks(f)[0]:
         cfg["BLOCK_J"] = bj
     return cfg
 
@@ -390,6 +437,7 @@ SPACES = {
     ("chunk_summaries", "triton"): _cs_triton_space,
     ("chunk_summaries", "cuda"): _cs_cuda_space,
     ("chunk_summaries", "cupy"): _cs_cuda_space,
+    ("chunk_summaries.bwd", "triton"): _cs_bwd_triton_space,
     ("eva_attention", "triton"): _eva_triton_space,
     ("eva_attention", "cuda"): _eva_cuda_space,
     ("eva_attention", "cupy"): _eva_cuda_space,
@@ -401,6 +449,7 @@ DEFAULTS = {
     ("chunk_summaries", "triton"): _cs_triton_default,
     ("chunk_summaries", "cuda"): _cs_cuda_default,
     ("chunk_summaries", "cupy"): _cs_cuda_default,
+    ("chunk_summaries.bwd", "triton"): _cs_bwd_triton_default,
     ("eva_attention", "triton"): _eva_triton_default,
     ("expert_matmul", "triton"): _em_triton_default,
     ("expert_matmul", "cuda"): _em_cuda_default,

@@ -2,6 +2,10 @@
 
 validate -> normalize -> pick backend -> torch.library op. The only module that knows every backend
 of this op. SPEC.md, "Op 1", defines the math.
+
+Backward: the custom op's autograd formula calls a second custom op, `chunk_summaries_backward`,
+which runs the Triton backward kernels (kernels_triton/chunk_summaries_bwd.py) for every kernel
+backend (triton, cuda, cupy); the reference backend is differentiated by autograd.
 """
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ from flashswitch import _common as C
 from flashswitch.autotune import space, store
 
 OP = "chunk_summaries"
+OP_BWD = OP + ".bwd"
 MAX_KERNEL_D = 256
+GRAD_INPUTS = ("k", "v", "omega", "key_weight")  # what run_backward returns, in this order
 
 
 def _features(k: torch.Tensor, chunk_size: int, key_weight, valid) -> dict:
@@ -21,8 +27,14 @@ def _features(k: torch.Tensor, chunk_size: int, key_weight, valid) -> dict:
     return space.features(OP, dtype=C.DTYPE_NAMES[k.dtype], D=D, C=chunk_size, rows=B * H * N)
 
 
+def _features_bwd(k: torch.Tensor, chunk_size: int, key_weight, valid) -> dict:
+    B, H, N, D = k.shape
+    return space.features(OP_BWD, dtype=C.DTYPE_NAMES[k.dtype], D=D, C=chunk_size, rows=B * H * N)
+
+
 def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale, config=None):
     B, H, N, D = k.shape
+    omega = _kernel_view(k, chunk_size, omega)
     Nc = -(-N // chunk_size)
     k_sum = C.new_output((B, H, Nc, D), k.dtype, k.device)
     v_sum = C.new_output((B, H, Nc, D), v.dtype, v.device)
@@ -60,6 +72,73 @@ def _(k, v, chunk_size, omega, key_weight, valid, scale, backend):
     Nc = -(-N // chunk_size)
     return (k.new_empty((B, H, Nc, D)), v.new_empty((B, H, Nc, D)),
             k.new_empty((B, H, Nc), dtype=torch.float32))
+
+
+# ---------------------------------------------------------------- backward
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """Gradients may come as expanded views (loss = out.sum()): kernels need a unit last stride."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _run_backward(backend: str, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, key_weight, valid, scale,
+                  config=None):
+    """(dk, dv, domega, dkey_weight), None where omega / key_weight is None. Every kernel backend runs
+    the Triton backward kernels. omega: None, [Hkv, D] or [B, Hkv, Nc, D]; dlse: None = no gradient
+    into lse."""
+    if backend not in ("triton", "cuda", "cupy"):
+        raise ValueError(f"unknown kernel backend {backend!r}")
+    dk = C.new_output(tuple(k.shape), k.dtype, k.device)
+    dv = C.new_output(tuple(v.shape), v.dtype, v.device)
+    domega = None if omega is None else C.new_output(tuple(omega.shape), omega.dtype, omega.device)
+    dkw = None if key_weight is None else C.new_output(tuple(key_weight.shape), key_weight.dtype, k.device)
+    if config is None:
+        config = store.lookup(OP_BWD, "triton", _features_bwd(k, chunk_size, key_weight, valid))
+    from flashswitch.kernels_triton.chunk_summaries_bwd import launch
+    launch(k, v, omega, key_weight, valid, _unit_last(dk_sum), _unit_last(dv_sum), dlse, dk, dv, domega, dkw,
+           chunk_size=chunk_size, scale=scale, config=config)
+    return dk, dv, domega, dkw
+
+
+@torch.library.custom_op("flashswitch::chunk_summaries_backward", mutates_args=())
+def _chunk_summaries_backward_op(dk_sum: torch.Tensor, dv_sum: torch.Tensor, dlse: Optional[torch.Tensor],
+                                 k: torch.Tensor, v: torch.Tensor, chunk_size: int, omega: Optional[torch.Tensor],
+                                 key_weight: Optional[torch.Tensor], valid: Optional[torch.Tensor], scale: float,
+                                 backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dk, dv, domega, dkw = _run_backward(backend, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, key_weight,
+                                        valid, scale)
+    # a custom op returns tensors only: empty ones stand for the gradients of absent inputs
+    return dk, dv, k.new_empty(0) if domega is None else domega, k.new_empty(0) if dkw is None else dkw
+
+
+@_chunk_summaries_backward_op.register_fake
+def _(dk_sum, dv_sum, dlse, k, v, chunk_size, omega, key_weight, valid, scale, backend):
+    return (torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            k.new_empty(0) if omega is None else omega.new_empty(omega.shape),
+            k.new_empty(0) if key_weight is None else key_weight.new_empty(key_weight.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    k, v, chunk_size, omega, key_weight, valid, scale, backend = inputs
+    ctx.save_for_backward(k, v, omega, key_weight, valid)  # the backward recomputes the softmaxes
+    ctx.chunk_size, ctx.scale, ctx.backend = chunk_size, scale, backend
+
+
+def _backward(ctx, dk_sum, dv_sum, dlse):
+    k, v, omega, key_weight, valid = ctx.saved_tensors
+    B, H, N, D = k.shape
+    Nc = -(-N // ctx.chunk_size)
+    if dk_sum is None:
+        dk_sum = k.new_zeros((B, H, Nc, D))
+    if dv_sum is None:
+        dv_sum = v.new_zeros((B, H, Nc, D))
+    dk, dv, domega, dkw = _chunk_summaries_backward_op(dk_sum, dv_sum, dlse, k, v, ctx.chunk_size, omega,
+                                                       key_weight, valid, ctx.scale, ctx.backend)
+    return (dk, dv, None, None if omega is None else domega, None if key_weight is None else dkw,
+            None, None, None)
+
+
+_chunk_summaries_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _validate(k, v, chunk_size, omega, key_weight, valid, scale):
@@ -106,8 +185,33 @@ def run_kernel(backend: str, config: dict, k, v, chunk_size, omega=None, key_wei
                scale=None):
     """One kernel call with an explicit config, for the tuner and the benchmarks: (k_sum, v_sum, lse)."""
     scale = _validate(k, v, chunk_size, omega, key_weight, valid, scale)
-    return _run_backend(backend, k, v, chunk_size, _kernel_view(k, chunk_size, omega), key_weight, valid,
-                        scale, config)
+    return _run_backend(backend, k, v, chunk_size, omega, key_weight, valid, scale, config)
+
+
+def run_backward(backend: str, config, grad_outputs, k, v, chunk_size, omega=None, key_weight=None, valid=None,
+                 scale=None) -> tuple:
+    """The backward kernels with an explicit config (None: the tuned one), for the tuner and the
+    benchmarks: the gradients named by GRAD_INPUTS, None for inputs absent from the problem.
+
+    grad_outputs: (dk_sum, dv_sum) or (dk_sum, dv_sum, dlse). The backward needs no forward output
+    (it recomputes the softmaxes from the inputs), so no forward runs here. The reference backend
+    differentiates the torch reference.
+    """
+    scale = _validate(k, v, chunk_size, omega, key_weight, valid, scale)
+    dk_sum, dv_sum, dlse = (tuple(grad_outputs) + (None,))[:3]
+    if backend == "reference":
+        from flashswitch.reference.chunk_summaries import torch_chunk_summaries
+        inputs = {"k": k, "v": v, "omega": omega, "key_weight": key_weight}
+        leaves = {n: t.detach().requires_grad_(True) for n, t in inputs.items() if t is not None}
+        with torch.enable_grad():
+            out = torch_chunk_summaries(chunk_size=chunk_size, valid=valid, scale=scale, return_lse=True,
+                                        **{**inputs, **leaves})
+            pairs = [(o, g) for o, g in zip(out, (dk_sum, dv_sum, dlse)) if g is not None]
+            grads = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()), [g for _, g in pairs],
+                                        allow_unused=True)
+        got = dict(zip(leaves, grads))
+        return tuple(got.get(n) for n in GRAD_INPUTS)
+    return _run_backward(backend, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, key_weight, valid, scale, config)
 
 
 def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega: Optional[torch.Tensor] = None,
@@ -117,7 +221,8 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
 
     Returns `(k_sum, v_sum)` of shape [B, Hkv, ceil(N / chunk_size), D], plus the fp32 per-chunk
     log-normaliser `lse` [B, Hkv, Nc] when `return_lse`. `backend` is "auto", "reference",
-    "triton", "cuda" or "cupy".
+    "triton", "cuda" or "cupy". Differentiable in k, v, omega and key_weight (and through lse); the
+    kernel backends' gradients come from the Triton backward kernels.
     """
     scale = _validate(k, v, chunk_size, omega, key_weight, valid, scale)
     bucket = _features(k, chunk_size, key_weight, valid) if k.is_cuda else None
@@ -132,7 +237,6 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
         out = torch_chunk_summaries(k, v, chunk_size, omega=omega, key_weight=key_weight, valid=valid,
                                     scale=scale, return_lse=True)
     else:
-        omega = _kernel_view(k, chunk_size, omega)
         if C.eager_fast_path(k, v, omega, key_weight):
             out = _run_backend(backend, k, v, chunk_size, omega, key_weight, valid, scale)
         else:
