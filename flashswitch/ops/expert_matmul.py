@@ -344,7 +344,11 @@ def run_backward(backend: str, config, grad_outputs, x, expert_idx, num_experts,
         leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, weight, gates)]
         with torch.enable_grad():
             y = torch_expert_matmul(leaves[0], expert_idx, leaves[1], gates=leaves[2], out_groups=out_groups)
-            grads = torch.autograd.grad(y, [t for t in leaves if t is not None], dy, allow_unused=True)
+            used = [t for t in leaves if t is not None]
+            if y.requires_grad:
+                grads = torch.autograd.grad(y, used, dy, allow_unused=True, materialize_grads=True)
+            else:  # no pair (T = 0): y depends on no input
+                grads = tuple(torch.zeros_like(t) for t in used)
         return tuple(grads) if gates is not None else (*grads, None)
     rt = route(expert_idx, num_experts, check=False)
     G_in, G_out = _validate(x, rt, weight, gates, out_groups, deterministic)
