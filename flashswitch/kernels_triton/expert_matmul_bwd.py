@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashswitch.kernels_triton.expert_matmul import MAX_BLOCK_E, MAX_INTERLEAVE_E, _group_sum, _pow2, _tile_of
+from flashswitch.kernels_triton.expert_matmul import (MAX_BLOCK_E, MAX_INTERLEAVE_E, _group_sum, _pow2,
+                                                       _pow2_divisor, _tile_of)
 
 DX_KEYS = ("DX_BLOCK_M", "DX_BLOCK_N", "DX_BLOCK_K", "DX_INTERLEAVE", "DX_PARTIALS", "DX_num_warps",
            "DX_num_stages")
@@ -41,9 +42,23 @@ def _dx_kernel(
     stride_ot, stride_og,
     grid_m, n_tiles_n, n_iter,
     HAS_GATES: tl.constexpr, WRITE_DX: tl.constexpr, WRITE_DG: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERLEAVE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    INTERLEAVE: tl.constexpr, EVEN_K: tl.constexpr, DIV_K: tl.constexpr, DIV_N: tl.constexpr, DIV_W: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
+    # Alignment the host checked but the compiler cannot see at sizes that are not multiples of 16
+    # (as in the forward): d_out and dy's row strides are multiples of DIV_K; d_in, x's and out's row
+    # strides of DIV_N; weight's expert and d_in strides of DIV_W. Loads and stores then use vectors.
+    d_out = (d_out // DIV_K) * DIV_K
+    stride_dyt = (stride_dyt // DIV_K) * DIV_K
+    stride_dyg = (stride_dyg // DIV_K) * DIV_K
+    d_in = (d_in // DIV_N) * DIV_N
+    stride_xt = (stride_xt // DIV_N) * DIV_N
+    stride_xg = (stride_xg // DIV_N) * DIV_N
+    stride_ot = (stride_ot // DIV_N) * DIV_N
+    stride_og = (stride_og // DIV_N) * DIV_N
+    stride_we = (stride_we // DIV_W) * DIV_W
+    stride_wn = (stride_wn // DIV_W) * DIV_W
+
     # column tiles of one row tile are neighbours: the gathered dy rows are read from L2
     pid = tl.program_id(0)
     pid_m = pid // n_tiles_n
@@ -102,9 +117,20 @@ def _dw_kernel(
     stride_gt, stride_gs,
     stride_os, stride_oe, stride_om,
     n_tiles_m, n_tiles_n,
-    SPLIT_K: tl.constexpr, HAS_GATES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_GATES: tl.constexpr, DOT_PRECISION: tl.constexpr, DIV_M: tl.constexpr,
+    DIV_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # alignment hints (see _dx_kernel): d_in and x's row strides are multiples of DIV_M; d_out, dy's
+    # and out's row strides of DIV_N
+    d_in = (d_in // DIV_M) * DIV_M
+    stride_xt = (stride_xt // DIV_M) * DIV_M
+    stride_xg = (stride_xg // DIV_M) * DIV_M
+    d_out = (d_out // DIV_N) * DIV_N
+    stride_dyt = (stride_dyt // DIV_N) * DIV_N
+    stride_dyg = (stride_dyg // DIV_N) * DIV_N
+    stride_os = (stride_os // DIV_N) * DIV_N
+    stride_oe = (stride_oe // DIV_N) * DIV_N
+    stride_om = (stride_om // DIV_N) * DIV_N
     # program order (expert, split, d_in tile, d_out tile): programs reading the same pairs run together
     pid = tl.program_id(0)
     pid_n = pid % n_tiles_n
@@ -231,6 +257,7 @@ def _launch_dw(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dweight, S, G_i
         E * d_in * d_out if split > 1 else 0, d_in * d_out, d_out,
         tm, tn,
         SPLIT_K=split, HAS_GATES=has_gates, DOT_PRECISION=dot_precision,
+        DIV_M=_pow2_divisor(d_in, sx[0], sx[1]), DIV_N=_pow2_divisor(d_out, sdy[0], sdy[1], d_in * d_out),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
         num_warps=int(cfg["DW_num_warps"]), num_stages=int(cfg["DW_num_stages"]),
     )
@@ -277,7 +304,9 @@ def _launch_dx(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dx, dgates, S, 
         target.stride(0), target.stride(1) if target.dim() == 3 else 0,
         grid_m, n_tiles_n, n_iter,
         HAS_GATES=has_gates, WRITE_DX=dx is not None, WRITE_DG=dgates is not None, DOT_PRECISION=dot_precision,
-        INTERLEAVE=interleave, EVEN_K=d_out % BK == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_E=block_e,
+        INTERLEAVE=interleave, EVEN_K=d_out % BK == 0, DIV_K=_pow2_divisor(d_out, sdy[0], sdy[1]),
+        DIV_N=_pow2_divisor(d_in, sx[0], sx[1], target.stride(0), target.stride(1)),
+        DIV_W=_pow2_divisor(sw[0], sw[1]) if sw[2] == 1 else 1, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_E=block_e,
         num_warps=int(cfg["DX_num_warps"]), num_stages=int(cfg["DX_num_stages"]),
     )
     if scratch is not None:
