@@ -40,6 +40,7 @@ _ROUNDED = {
     "chunk_summaries.bwd": ("rows",),
     "eva_attention": ("rows", "keys"),
     "expert_matmul": ("tokens",),
+    "expert_matmul.bwd": ("tokens",),
 }
 
 
@@ -432,6 +433,79 @@ def _em_cuda_default(f: dict) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_N": _em_group_n(f, bn)}
 
 
+# op 3 backward (kernels_triton/expert_matmul_bwd.py): the dx kernel (pair rows x d_in columns, K = d_out;
+# d gates fused in its epilogue) and the dW kernel (d_in x d_out tiles per expert, K = the expert's pairs,
+# SPLIT_K programs per tile). One config holds both kernels' knobs (DX_*, DW_*).
+_EM_BWD_PROGRAMS = 2 * 132  # dW programs wanted: two waves of an H200's SMs
+
+
+def _em_bwd_dx(f: dict, bm: int, bn: int, partials: str = "fp32") -> dict:
+    fp32 = f["dtype"] == "fp32"
+    bk = min(32 if fp32 else 64, max(16, next_pow2(f["d_out"])))
+    return {"DX_BLOCK_M": bm, "DX_BLOCK_N": bn, "DX_BLOCK_K": bk, "DX_INTERLEAVE": _em_interleave(f, bm),
+            "DX_PARTIALS": partials, "DX_num_warps": 8 if bm * bn >= 16384 else 4,
+            "DX_num_stages": 2 if bk >= f["d_out"] else 3}
+
+
+def _em_bwd_split(f: dict, bm: int, bn: int, bk: int) -> int:
+    """Split each expert's pairs until the dW grid fills about two waves, keeping >= 4 K steps per split
+    (few experts with many pairs, SwitchHead: E=16 gives only 128 tiles of 128 x 128)."""
+    programs = f["E"] * -(-f["d_in"] // bm) * -(-f["d_out"] // bn)
+    per_expert = _em_facts(f)["per_expert"]
+    split = 1
+    while split < 16 and programs * split < _EM_BWD_PROGRAMS and per_expert / (2 * split) >= 4 * bk:
+        split *= 2
+    return split
+
+
+def _em_bwd_dw(f: dict, bm: int, bn: int, split: int = 0) -> dict:
+    fp32 = f["dtype"] == "fp32"
+    bk = max(16, min(32 if fp32 else 64, next_pow2(int(_em_facts(f)["per_expert"]))))
+    return {"DW_BLOCK_M": bm, "DW_BLOCK_N": bn, "DW_BLOCK_K": bk, "SPLIT_K": split or _em_bwd_split(f, bm, bn, bk),
+            "DW_num_warps": 8 if bm * bn >= 16384 else 4, "DW_num_stages": 3}
+
+
+def _em_bwd_tiles(f: dict) -> tuple[int, int, int]:
+    """(largest tile side, largest d_in tile, largest d_out tile): 64 for fp32 (IEEE FMA dots hold
+    operand rows in registers), else 128."""
+    cap = 64 if f["dtype"] == "fp32" else 128
+    return cap, min(cap, max(16, next_pow2(f["d_in"]))), min(cap, max(16, next_pow2(f["d_out"])))
+
+
+def _em_bwd_triton_default(f: dict) -> dict:
+    cap, bin_, bout = _em_bwd_tiles(f)
+    per_expert = _em_facts(f)["per_expert"]
+    bm = 128 if per_expert >= 1024 else 64 if per_expert >= 96 else 32 if per_expert >= 24 else 16
+    return {**_em_bwd_dx(f, min(bm, cap), bin_), **_em_bwd_dw(f, bin_, bout)}
+
+
+def _em_bwd_triton_space(f: dict) -> list[dict]:
+    """dx variants x dW variants, about 8-24 configs (both kernels run in one timed backward, so their
+    knobs are swept jointly; each distinct kernel config is one compile):
+    - dx: row tile (64 / 128 pairs: fewer weight tiles streamed per pair vs. less padding per expert),
+      and, when dx rows sum several slots (G_in < S), partials in fp32 or x's dtype (half the
+      scratch traffic, one rounding per pair as a grouped_mm pipeline does);
+    - dW: d_in x d_out tile, and SPLIT_K at the heuristic value and twice it (more programs for few
+      experts; more partial traffic)."""
+    default = _em_bwd_triton_default(f)
+    cap, bin_, bout = _em_bwd_tiles(f)
+    partials = ("fp32",) if f["dtype"] == "fp32" or f["G_in"] == f["S"] else ("fp32", "out")
+    dxs = [_em_bwd_dx(f, bm, bin_, p) for bm in sorted({min(64, cap), cap}) for p in partials]
+    dw_tiles = sorted({(bin_, bout), (bin_, min(bout, 64)), (min(bin_, 64), bout)})
+    dws = []
+    for bm, bn in dw_tiles:
+        base = _em_bwd_dw(f, bm, bn)
+        dws += [base] + ([{**base, "SPLIT_K": 2 * base["SPLIT_K"]}] if base["SPLIT_K"] < 16 else [])
+    out = [default] + [{**dx, **dw} for dx in dxs for dw in dws]
+    seen, unique = set(), []
+    for c in out:
+        key = tuple(sorted(c.items()))
+        if key not in seen:
+            seen.add(key)
+            unique.append(c)
+    return unique
+
+
 # ---------------------------------------------------------------- registry
 SPACES = {
     ("chunk_summaries", "triton"): _cs_triton_space,
@@ -442,6 +516,7 @@ SPACES = {
     ("eva_attention", "cuda"): _eva_cuda_space,
     ("eva_attention", "cupy"): _eva_cuda_space,
     ("expert_matmul", "triton"): _em_triton_space,
+    ("expert_matmul.bwd", "triton"): _em_bwd_triton_space,
     ("expert_matmul", "cuda"): _em_cuda_space,
     ("expert_matmul", "cupy"): _em_cuda_space,
 }
@@ -452,6 +527,7 @@ DEFAULTS = {
     ("chunk_summaries.bwd", "triton"): _cs_bwd_triton_default,
     ("eva_attention", "triton"): _eva_triton_default,
     ("expert_matmul", "triton"): _em_triton_default,
+    ("expert_matmul.bwd", "triton"): _em_bwd_triton_default,
     ("expert_matmul", "cuda"): _em_cuda_default,
     ("expert_matmul", "cupy"): _em_cuda_default,
 }

@@ -18,6 +18,8 @@ from flashswitch import _common as C
 from flashswitch.autotune import space, store
 
 OP = "expert_matmul"
+OP_BWD = OP + ".bwd"  # the backward kernels' table in the tuned-config store and key in autotune/space.py
+GRAD_INPUTS = ("x", "weight", "gates")  # the differentiable inputs, in run_backward's order
 INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_PAIRS = 2 ** 31 - 1
 
@@ -238,6 +240,73 @@ def _(x3, weight, gates, token, slot, offsets, S, G_out, deterministic, backend)
     return x3.new_empty((x3.shape[0], G_out, weight.shape[2]))
 
 
+# ---------------------------------------------------------------- backward
+def _features_bwd(x3: torch.Tensor, weight: torch.Tensor, S: int, G_out: int, gated: bool) -> dict:
+    T, G_in, d_in = x3.shape
+    E, _, d_out = weight.shape
+    return space.features(OP_BWD, dtype=C.DTYPE_NAMES[x3.dtype], wdtype=C.DTYPE_NAMES[weight.dtype], d_in=d_in,
+                          d_out=d_out, E=E, S=S, G_in=G_in, G_out=G_out, tokens=T, gated=bool(gated))
+
+
+def _run_backward(backend: str, dy, x3, weight, gates, rt: Route, G_out: int, need_x: bool, need_weight: bool,
+                  need_gates: bool, config=None):
+    """(dx3, dweight, dgates) from the Triton backward kernels (every kernel backend uses them); a
+    gradient not asked for (or gates None) is an empty tensor. dweight is exactly zero for experts
+    with no pairs; the result is bitwise reproducible (no float atomics, fixed-order sums)."""
+    if backend not in ("triton", "cuda", "cupy"):
+        raise ValueError(f"unknown kernel backend {backend!r}")
+    T, G_in, d_in = x3.shape
+    dev = x3.device
+    dx = C.new_output(x3.shape, x3.dtype, dev) if need_x else x3.new_empty(0)
+    dw = C.new_output(weight.shape, weight.dtype, dev) if need_weight else weight.new_empty(0)
+    need_gates = need_gates and gates is not None
+    dg = C.new_output(gates.shape, gates.dtype, dev) if need_gates else x3.new_empty(0)
+    if not (dx.numel() or dw.numel() or dg.numel()):
+        return dx, dw, dg
+    dy = dy.to(x3.dtype).contiguous()  # e.g. the expanded (stride 0) gradient of y.sum()
+    if config is None:
+        config = store.lookup(OP_BWD, "triton", _features_bwd(x3, weight, rt.S, G_out, gates is not None))
+    from flashswitch.kernels_triton.expert_matmul_bwd import launch
+    launch(x3, weight, gates, rt, dy, dx if need_x else None, dw if need_weight else None,
+           dg if need_gates else None, G_in=G_in, G_out=G_out, config=config)
+    return dx, dw, dg
+
+
+@torch.library.custom_op("flashswitch::expert_matmul_backward", mutates_args=())
+def _expert_matmul_backward_op(dy: torch.Tensor, x3: torch.Tensor, weight: torch.Tensor, gates: Optional[torch.Tensor],
+                               token: torch.Tensor, slot: torch.Tensor, offsets: torch.Tensor, S: int, G_out: int,
+                               need_x: bool, need_weight: bool, need_gates: bool,
+                               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rt = Route(token=token, slot=slot, offsets=offsets, expert_idx=None, T=x3.shape[0], S=S,
+               E=offsets.numel() - 1)
+    return _run_backward(backend, dy, x3, weight, gates, rt, G_out, need_x, need_weight, need_gates)
+
+
+@_expert_matmul_backward_op.register_fake
+def _(dy, x3, weight, gates, token, slot, offsets, S, G_out, need_x, need_weight, need_gates, backend):
+    dg = gates.new_empty(gates.shape) if need_gates and gates is not None else x3.new_empty(0)
+    return (x3.new_empty(x3.shape) if need_x else x3.new_empty(0),
+            weight.new_empty(weight.shape) if need_weight else weight.new_empty(0), dg)
+
+
+def _setup_context(ctx, inputs, output):
+    x3, weight, gates, token, slot, offsets, S, G_out, deterministic, backend = inputs
+    ctx.save_for_backward(x3, weight, gates, token, slot, offsets)
+    ctx.S, ctx.G_out, ctx.backend = S, G_out, backend
+
+
+def _backward(ctx, dy):
+    x3, weight, gates, token, slot, offsets = ctx.saved_tensors
+    need_x, need_weight, need_gates = ctx.needs_input_grad[:3]
+    dx, dw, dg = _expert_matmul_backward_op(dy, x3, weight, gates, token, slot, offsets, ctx.S, ctx.G_out,
+                                            need_x, need_weight, need_gates and gates is not None, ctx.backend)
+    return (dx if need_x else None, dw if need_weight else None, dg if need_gates and gates is not None else None,
+            None, None, None, None, None, None, None)
+
+
+_expert_matmul_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 def _x3(x: torch.Tensor) -> torch.Tensor:
     """Kernels read x through a [T, G_in, d_in] view."""
     return x.unsqueeze(1) if x.dim() == 2 else x
@@ -263,6 +332,31 @@ def run_kernel(backend: str, config, x, expert_idx, num_experts, weight, gates=N
     return _run_backend(backend, _x3(x), weight, gates, rt, G_out, deterministic, config)
 
 
+def run_backward(backend: str, config, grad_outputs, x, expert_idx, num_experts, weight, gates=None,
+                 out_groups=None, deterministic=False) -> tuple:
+    """Routing + the backward kernels with an explicit config (None: tuned/default), for the tuner and
+    the benchmarks: the gradients of GRAD_INPUTS (dx shaped like x, dweight, dgates; None for absent
+    gates). `grad_outputs`: dy [T, G_out, d_out] (or a 1-tuple of it). The backward needs no forward
+    output (no lse), so no forward runs; the reference backend differentiates the torch reference."""
+    dy = grad_outputs[0] if isinstance(grad_outputs, (tuple, list)) else grad_outputs
+    if backend == "reference":
+        from flashswitch.reference.expert_matmul import torch_expert_matmul
+        leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, weight, gates)]
+        with torch.enable_grad():
+            y = torch_expert_matmul(leaves[0], expert_idx, leaves[1], gates=leaves[2], out_groups=out_groups)
+            used = [t for t in leaves if t is not None]
+            if y.requires_grad:
+                grads = torch.autograd.grad(y, used, dy, allow_unused=True, materialize_grads=True)
+            else:  # no pair (T = 0): y depends on no input
+                grads = tuple(torch.zeros_like(t) for t in used)
+        return tuple(grads) if gates is not None else (*grads, None)
+    rt = route(expert_idx, num_experts, check=False)
+    G_in, G_out = _validate(x, rt, weight, gates, out_groups, deterministic)
+    x3 = _x3(x)
+    dx, dw, dg = _run_backward(backend, dy, x3, weight, gates, rt, G_out, True, True, gates is not None, config)
+    return dx.view(x.shape), dw, (dg if gates is not None else None)
+
+
 def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates: Optional[torch.Tensor] = None,
                   out_groups: Optional[int] = None, deterministic: bool = False, backend: str = "auto") -> torch.Tensor:
     """Grouped expert matmul over the routed pairs of `route`; see SPEC.md, op 3.
@@ -279,6 +373,11 @@ def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates:
     grouped_mm pipeline does (config PARTIALS, kernels_triton/expert_matmul.py); the products
     themselves always accumulate in fp32.
     `backend`: "auto", "reference", "triton", "cuda" or "cupy".
+
+    Differentiable in x, weight and gates (SPEC.md, "Backward"): every kernel backend runs the Triton
+    backward kernels (kernels_triton/expert_matmul_bwd.py), deterministic whatever `deterministic`
+    says; dweight has weight's dtype (fp32 master weights get fp32 gradients) and is zero for experts
+    with no pairs; the reference backend differentiates the torch reference.
     """
     G_in, G_out = _validate(x, route, weight, gates, out_groups, deterministic)
     x3 = _x3(x)

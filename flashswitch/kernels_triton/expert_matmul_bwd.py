@@ -1,0 +1,319 @@
+"""Triton backward kernels of op 3 (d x, d weight, d gates), deterministic: no float atomics.
+
+With pair p = (t, s) of expert e, x_row(p) = x[t, s // (S / G_in)], dy_row(p) = dy[t, s // (S / G_out)]:
+
+- `_dx_kernel`: the forward's gather-GEMM over expert-sorted row tiles (`_tile_of`), with dy rows as
+  the A operand and weight[e]ᵀ as B (read through swapped strides, no copy): z_p = dy_row(p) · W[e]ᵀ.
+  Epilogue: the d gates partial x_row(p) · z_p over this program's d_in columns goes to an fp32
+  buffer [column tiles, P]; then gate_p · z_p is stored to dx[t, gi] directly when G_in == S (one
+  pair per dx row), else to an fp32 (or x-dtype, config DX_PARTIALS = "out") scratch [T, S, d_in]
+  that the forward's `_group_sum` reduces over each input group's slots in slot order.
+- `_dw_kernel`: the grouped transpose-A GEMM d W[e] = Σ_{p in e} x_row(p)ᵀ · (gate_p dy_row(p)), one
+  program per (expert, split, d_in tile, d_out tile), looping over its share of the expert's sorted
+  pairs in DW_BLOCK_K steps (pair counts read on the device; an empty share gives zeros). With
+  SPLIT_K > 1 each split writes an fp32 partial [SPLIT_K, E, d_in, d_out], summed in split order.
+- `_sum_leading`: out[i] = Σ_j src[j, i] in order j = 0, 1, ...: the fixed-order sums of the d gates
+  partials and of the split-K partials.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashswitch.kernels_triton.expert_matmul import (MAX_BLOCK_E, MAX_INTERLEAVE_E, _group_sum, _pow2,
+                                                       _pow2_divisor, _tile_of)
+
+DX_KEYS = ("DX_BLOCK_M", "DX_BLOCK_N", "DX_BLOCK_K", "DX_INTERLEAVE", "DX_PARTIALS", "DX_num_warps",
+           "DX_num_stages")
+DW_KEYS = ("DW_BLOCK_M", "DW_BLOCK_N", "DW_BLOCK_K", "SPLIT_K", "DW_num_warps", "DW_num_stages")
+CONFIG_KEYS = DX_KEYS + DW_KEYS
+PARTIALS_MODES = ("fp32", "out")
+
+
+@triton.jit
+def _dx_kernel(
+    dy_ptr, w_ptr, g_ptr, x_ptr, tok_ptr, slot_ptr, off_ptr, out_ptr, dg_ptr,
+    E, S, d_in, d_out, spg_in, spg_out, P,
+    stride_dyt, stride_dyg,
+    stride_we, stride_wk, stride_wn,
+    stride_gt, stride_gs,
+    stride_xt, stride_xg,
+    stride_ot, stride_og,
+    grid_m, n_tiles_n, n_iter,
+    HAS_GATES: tl.constexpr, WRITE_DX: tl.constexpr, WRITE_DG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERLEAVE: tl.constexpr, EVEN_K: tl.constexpr, DIV_K: tl.constexpr, DIV_N: tl.constexpr, DIV_W: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    # Alignment the host checked but the compiler cannot see at sizes that are not multiples of 16
+    # (as in the forward): d_out and dy's row strides are multiples of DIV_K; d_in, x's and out's row
+    # strides of DIV_N; weight's expert and d_in strides of DIV_W. Loads and stores then use vectors.
+    d_out = (d_out // DIV_K) * DIV_K
+    stride_dyt = (stride_dyt // DIV_K) * DIV_K
+    stride_dyg = (stride_dyg // DIV_K) * DIV_K
+    d_in = (d_in // DIV_N) * DIV_N
+    stride_xt = (stride_xt // DIV_N) * DIV_N
+    stride_xg = (stride_xg // DIV_N) * DIV_N
+    stride_ot = (stride_ot // DIV_N) * DIV_N
+    stride_og = (stride_og // DIV_N) * DIV_N
+    stride_we = (stride_we // DIV_W) * DIV_W
+    stride_wn = (stride_wn // DIV_W) * DIV_W
+
+    # column tiles of one row tile are neighbours: the gathered dy rows are read from L2
+    pid = tl.program_id(0)
+    pid_m = pid // n_tiles_n
+    pid_n = pid % n_tiles_n
+    e, row0, row_end = _tile_of(off_ptr, E, pid_m, n_iter, BLOCK_M, BLOCK_E, INTERLEAVE)
+    if e >= E:
+        return
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    slt = tl.load(slot_ptr + rows, mask=rmask, other=0)
+    dy_row = tok * stride_dyt + (slt // spg_out).to(tl.int64) * stride_dyg
+
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < d_in
+    a_ptrs = dy_ptr + dy_row[:, None] + offs_k[None, :]
+    # B[k, n] = weight[e, n, k]: the caller passes weight's strides swapped
+    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, d_out, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = (offs_k + k) < d_out
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wk
+
+    omask = rmask[:, None] & nmask[None, :]
+    if WRITE_DG:  # d gate_p partial over this program's columns: x_row(p) . z_p
+        x_row = tok * stride_xt + (slt // spg_in).to(tl.int64) * stride_xg
+        xv = tl.load(x_ptr + x_row[:, None] + offs_n[None, :], mask=omask, other=0.0).to(tl.float32)
+        part = tl.sum(xv * acc, 1)
+        pair = tok * S + slt
+        tl.store(dg_ptr + pid_n.to(tl.int64) * P + pair, part, mask=rmask)
+    if WRITE_DX:
+        if HAS_GATES:
+            g = tl.load(g_ptr + tok * stride_gt + slt * stride_gs, mask=rmask, other=0.0).to(tl.float32)
+            acc = acc * g[:, None]
+        o_ptrs = out_ptr + (tok * stride_ot + slt.to(tl.int64) * stride_og)[:, None] + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _dw_kernel(
+    x_ptr, dy_ptr, g_ptr, tok_ptr, slot_ptr, off_ptr, out_ptr,
+    d_in, d_out, spg_in, spg_out,
+    stride_xt, stride_xg,
+    stride_dyt, stride_dyg,
+    stride_gt, stride_gs,
+    stride_os, stride_oe, stride_om,
+    n_tiles_m, n_tiles_n,
+    SPLIT_K: tl.constexpr, HAS_GATES: tl.constexpr, DOT_PRECISION: tl.constexpr, DIV_M: tl.constexpr,
+    DIV_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # alignment hints (see _dx_kernel): d_in and x's row strides are multiples of DIV_M; d_out, dy's
+    # and out's row strides of DIV_N
+    d_in = (d_in // DIV_M) * DIV_M
+    stride_xt = (stride_xt // DIV_M) * DIV_M
+    stride_xg = (stride_xg // DIV_M) * DIV_M
+    d_out = (d_out // DIV_N) * DIV_N
+    stride_dyt = (stride_dyt // DIV_N) * DIV_N
+    stride_dyg = (stride_dyg // DIV_N) * DIV_N
+    stride_os = (stride_os // DIV_N) * DIV_N
+    stride_oe = (stride_oe // DIV_N) * DIV_N
+    stride_om = (stride_om // DIV_N) * DIV_N
+    # program order (expert, split, d_in tile, d_out tile): programs reading the same pairs run together
+    pid = tl.program_id(0)
+    pid_n = pid % n_tiles_n
+    r = pid // n_tiles_n
+    pid_m = r % n_tiles_m
+    r = r // n_tiles_m
+    sp = r % SPLIT_K
+    e = r // SPLIT_K
+
+    lo = tl.load(off_ptr + e).to(tl.int32)
+    hi = tl.load(off_ptr + e + 1).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, SPLIT_K), BLOCK_K) * BLOCK_K
+    start = lo + sp * chunk
+    end = tl.minimum(hi, start + chunk)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = offs_m < d_in
+    nmask = offs_n < d_out
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(start, end, BLOCK_K):
+        rows = k0 + offs_k
+        rmask = rows < end
+        tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        slt = tl.load(slot_ptr + rows, mask=rmask, other=0)
+        x_row = tok * stride_xt + (slt // spg_in).to(tl.int64) * stride_xg
+        dy_row = tok * stride_dyt + (slt // spg_out).to(tl.int64) * stride_dyg
+        a = tl.load(x_ptr + x_row[:, None] + offs_m[None, :], mask=rmask[:, None] & mmask[None, :], other=0.0)
+        b = tl.load(dy_ptr + dy_row[:, None] + offs_n[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+        if HAS_GATES:
+            g = tl.load(g_ptr + tok * stride_gt + slt * stride_gs, mask=rmask, other=0.0).to(tl.float32)
+            b = (b.to(tl.float32) * g[:, None]).to(a.dtype)
+        acc = tl.dot(tl.trans(a), b.to(a.dtype), acc, input_precision=DOT_PRECISION)
+
+    # split sp's partial lives at out + sp * stride_os (stride_os = 0 when SPLIT_K == 1)
+    o_ptrs = (out_ptr + sp.to(tl.int64) * stride_os + e.to(tl.int64) * stride_oe
+              + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :])
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _sum_leading(src_ptr, dst_ptr, J, N, BLOCK: tl.constexpr):
+    """dst[i] = Σ_{j < J} src[j·N + i], in order j = 0, 1, ... (both contiguous)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(J):
+        acc += tl.load(src_ptr + j * N + i, mask=mask, other=0.0)
+    tl.store(dst_ptr + i, acc.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _sum_into(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst (contiguous, N elements) = src [J, N] summed over J in a fixed order."""
+    N = dst.numel()
+    BLOCK = 1024
+    _sum_leading[(triton.cdiv(N, BLOCK),)](src, dst, src.shape[0], N, BLOCK=BLOCK, num_warps=4)
+
+
+def _check_config(cfg: dict) -> dict:
+    missing = [k for k in CONFIG_KEYS if k not in cfg]
+    if missing:
+        raise ValueError(f"expert_matmul backward config is missing keys {missing}")
+    if cfg["DX_PARTIALS"] not in PARTIALS_MODES:
+        raise ValueError(f"config DX_PARTIALS must be one of {PARTIALS_MODES}, got {cfg['DX_PARTIALS']!r}")
+    split = int(cfg["SPLIT_K"])
+    if split < 1:
+        raise ValueError(f"config SPLIT_K must be >= 1, got {split}")
+    return cfg
+
+
+def launch(x3, weight, gates, route, dy, dx, dweight, dgates, *, G_in, G_out, config):
+    """Fill the gradients that are not None: dx [T, G_in, d_in] (x's dtype), dweight [E, d_in, d_out]
+    (weight's dtype), dgates [T, S] (gates' dtype), all contiguous.
+
+    x3: [T, G_in, d_in] (unit last stride); weight: [E, d_in, d_out], any strides; gates: None or
+    [T, S], any strides; dy: [T, G_out, d_out], unit last stride, x's dtype; route: a `Route`.
+    config: every key of CONFIG_KEYS (see autotune/space.py, "expert_matmul.bwd").
+    """
+    cfg = _check_config(dict(config))
+    T, _, d_in = x3.shape
+    E, _, d_out = weight.shape
+    S = route.S
+    P = T * S
+    has_gates = gates is not None
+    dot_precision = "ieee" if x3.dtype == torch.float32 else "tf32"
+    g = gates if has_gates else x3
+    sg = gates.stride() if has_gates else (0, 0)
+    sx = (x3.stride(0), x3.stride(1) if G_in > 1 else 0)
+    sdy = (dy.stride(0), dy.stride(1) if G_out > 1 else 0)
+
+    if dweight is not None and dweight.numel():
+        _launch_dw(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dweight, S, G_in, G_out, dot_precision, cfg)
+    want_dx = dx is not None and dx.numel() > 0
+    want_dg = dgates is not None and dgates.numel() > 0
+    if not (want_dx or want_dg):
+        return
+    if d_in == 0 or d_out == 0:  # z_p = 0: zero gradients
+        if want_dx:
+            dx.zero_()
+        if want_dg:
+            dgates.zero_()
+        return
+    _launch_dx(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dx if want_dx else None,
+               dgates if want_dg else None, S, G_in, G_out, dot_precision, cfg)
+
+
+def _launch_dw(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dweight, S, G_in, G_out, dot_precision, cfg):
+    E, d_in, d_out = dweight.shape
+    BM = _pow2("DW_BLOCK_M", cfg["DW_BLOCK_M"])
+    BN = _pow2("DW_BLOCK_N", cfg["DW_BLOCK_N"])
+    BK = _pow2("DW_BLOCK_K", cfg["DW_BLOCK_K"])
+    split = int(cfg["SPLIT_K"])
+    if route.num_pairs == 0:
+        dweight.zero_()
+        return
+    target = dweight if split == 1 else torch.empty((split, E, d_in, d_out), dtype=torch.float32,
+                                                    device=dweight.device)
+    tm, tn = triton.cdiv(d_in, BM), triton.cdiv(d_out, BN)
+    _dw_kernel[(E * split * tm * tn,)](
+        x3, dy, g, route.token, route.slot, route.offsets, target,
+        d_in, d_out, S // G_in, S // G_out,
+        sx[0], sx[1], sdy[0], sdy[1], sg[0], sg[1],
+        E * d_in * d_out if split > 1 else 0, d_in * d_out, d_out,
+        tm, tn,
+        SPLIT_K=split, HAS_GATES=has_gates, DOT_PRECISION=dot_precision,
+        DIV_M=_pow2_divisor(d_in, sx[0], sx[1]), DIV_N=_pow2_divisor(d_out, sdy[0], sdy[1], d_in * d_out),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+        num_warps=int(cfg["DW_num_warps"]), num_stages=int(cfg["DW_num_stages"]),
+    )
+    if split > 1:
+        _sum_into(target, dweight)
+
+
+def _launch_dx(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dx, dgates, S, G_in, G_out, dot_precision, cfg):
+    T, _, d_in = x3.shape
+    E, _, d_out = weight.shape
+    P = T * S
+    BM = _pow2("DX_BLOCK_M", cfg["DX_BLOCK_M"])
+    BN = _pow2("DX_BLOCK_N", cfg["DX_BLOCK_N"])
+    BK = _pow2("DX_BLOCK_K", cfg["DX_BLOCK_K"])
+    n_tiles_n = triton.cdiv(d_in, BN)
+    interleave = bool(cfg["DX_INTERLEAVE"]) and E <= MAX_INTERLEAVE_E
+    block_e = max(16, triton.next_power_of_2(E))
+    if not interleave:
+        block_e = min(block_e, MAX_BLOCK_E)
+    grid_m = triton.cdiv(P, BM) + min(E, P)
+    n_iter = triton.cdiv(P, BM).bit_length() + 1
+
+    scratch = None
+    if dx is None:
+        target = x3  # never written (WRITE_DX False)
+    elif G_in == S:  # one pair per dx row
+        target = dx
+    else:  # per-pair rows, summed over each input group's slots in slot order
+        part_dtype = torch.float32 if cfg["DX_PARTIALS"] == "fp32" else dx.dtype
+        scratch = torch.empty((T, S, d_in), dtype=part_dtype, device=dx.device)
+        target = scratch
+    dg_part = None
+    if dgates is not None:
+        dg_part = torch.empty((n_tiles_n, P), dtype=torch.float32, device=x3.device)
+    sw = weight.stride()
+    _dx_kernel[(grid_m * n_tiles_n,)](
+        dy, weight, g, x3, route.token, route.slot, route.offsets, target,
+        dg_part if dg_part is not None else target,
+        E, S, d_in, d_out, S // G_in, S // G_out, P,
+        sdy[0], sdy[1],
+        sw[0], sw[2], sw[1],
+        sg[0], sg[1],
+        sx[0], sx[1],
+        target.stride(0), target.stride(1) if target.dim() == 3 else 0,
+        grid_m, n_tiles_n, n_iter,
+        HAS_GATES=has_gates, WRITE_DX=dx is not None, WRITE_DG=dgates is not None, DOT_PRECISION=dot_precision,
+        INTERLEAVE=interleave, EVEN_K=d_out % BK == 0, DIV_K=_pow2_divisor(d_out, sdy[0], sdy[1]),
+        DIV_N=_pow2_divisor(d_in, sx[0], sx[1], target.stride(0), target.stride(1)),
+        DIV_W=_pow2_divisor(sw[0], sw[1]) if sw[2] == 1 else 1, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_E=block_e,
+        num_warps=int(cfg["DX_num_warps"]), num_stages=int(cfg["DX_num_stages"]),
+    )
+    if scratch is not None:
+        R = T * G_in
+        BLOCK_N = min(128, max(16, triton.next_power_of_2(d_in)))
+        BLOCK_R = max(1, 4096 // BLOCK_N)
+        _group_sum[(triton.cdiv(R, BLOCK_R), triton.cdiv(d_in, BLOCK_N))](
+            scratch, dx, R, d_in, S // G_in, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=4)
+    if dg_part is not None:
+        _sum_into(dg_part, dgates)
