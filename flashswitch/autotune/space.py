@@ -39,6 +39,7 @@ _ROUNDED = {
     "chunk_summaries": ("rows",),
     "chunk_summaries.bwd": ("rows",),
     "eva_attention": ("rows", "keys"),
+    "eva_attention.bwd": ("rows", "keys"),
     "expert_matmul": ("tokens",),
     "expert_matmul.bwd": ("tokens",),
 }
@@ -286,6 +287,62 @@ def _eva_cuda_space(f: dict) -> list[dict]:
     return [{}]
 
 
+def _eva_bwd_fits(f: dict, bm: int, bn: int, w: int, stages: int, smem_kb: int = 224) -> bool:
+    """The dK/dV kernel's two fp32 BLOCK_N x D accumulators within 128 values per thread and its
+    BLOCK_N x BLOCK_M logits within 64; its k, v tiles plus `stages` q and dO tiles within shared memory."""
+    bd = max(16, next_pow2(f["D"]))
+    elt = 4 if f["dtype"] == "fp32" else 2
+    return (2 * bn * bd <= 128 * 32 * w and bm * bn <= 64 * 32 * w
+            and (2 * bn * bd + stages * 2 * bm * bd) * elt <= smem_kb * 1024)
+
+
+def _eva_bwd_triton_space(f: dict) -> list[dict]:
+    # Two kernels: dK/dV (a program owns BLOCK_N keys or summaries, walks BLOCK_M-query tiles) and dQ
+    # (a program owns BLOCK_M_DQ queries, walks BLOCK_N_DQ-key blocks like the forward). The dK/dV
+    # kernel keeps four BLOCK_N x D tiles live (k, v, dk, dv), so it wants the wide key side (64 x 128,
+    # FlashAttention-2's Hopper choice at D = 128); dQ keeps q, dO, dq: a wide query side (128 x 64).
+    # D > 128 halves them. fp32 (IEEE FMA dots) only takes small tiles. num_stages pipelines the
+    # walked tiles' loads. Pairs of (dK/dV, dQ) choices: 8-24 configs per bucket.
+    fp32 = f["dtype"] == "fp32"
+    decode = bool(f.get("decode"))
+    if fp32:
+        kv = [(bm, bn, 4) for bm, bn in ((16, 16), (16, 32), (32, 32))]
+        dq = [(bm, bn, 4) for bm, bn in ((16, 16), (32, 32))]
+        stages = (1, 2)
+    elif f["D"] > 128:
+        kv = [(16 if decode else 32, 64, 8), (16 if decode else 32, 32, 4), (64, 64, 8)]
+        dq = [(16 if decode else 64, 32, 8), (16 if decode else 64, 64, 8)]
+        stages = (1, 2)
+    else:
+        kv = [(16 if decode else 32, 128, 8), (16 if decode else 64, 128, 8), (64, 64, 4), (128, 128, 8)]
+        dq = [(16 if decode else 128, 64, 8), (16 if decode else 64, 64, 4), (128, 128, 8)]
+        stages = (2, 3)
+    out = []
+    for (bm, bn, w), s, (bm2, bn2, w2) in itertools.product(kv, stages, dq):
+        if not _eva_bwd_fits(f, bm, bn, w, s):
+            continue
+        out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s,
+                    "BLOCK_M_DQ": bm2, "BLOCK_N_DQ": bn2, "num_warps_dq": w2, "num_stages_dq": s})
+    uniq = []
+    for c in out:
+        if c not in uniq:
+            uniq.append(c)
+    return uniq or [_eva_bwd_triton_default(f)]
+
+
+def _eva_bwd_triton_default(f: dict) -> dict:
+    D, decode = f["D"], bool(f.get("decode"))
+    if f["dtype"] == "fp32":
+        t = 32 if D <= 64 else 16
+        return {"BLOCK_M": 16 if decode else t, "BLOCK_N": t, "num_warps": 4, "num_stages": 2,
+                "BLOCK_M_DQ": 16 if decode else t, "BLOCK_N_DQ": t, "num_warps_dq": 4, "num_stages_dq": 2}
+    if D <= 128:
+        return {"BLOCK_M": 16 if decode else 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2,
+                "BLOCK_M_DQ": 16 if decode else 128, "BLOCK_N_DQ": 64, "num_warps_dq": 8, "num_stages_dq": 2}
+    return {"BLOCK_M": 16 if decode else 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
+            "BLOCK_M_DQ": 16 if decode else 64, "BLOCK_N_DQ": 32, "num_warps_dq": 8, "num_stages_dq": 2}
+
+
 # ---------------------------------------------------------------- op 3: expert_matmul
 _EM_L2_BUDGET = 16 << 20  # bytes of accumulator / weights a schedule tries to keep in L2
 
@@ -513,6 +570,7 @@ SPACES = {
     ("chunk_summaries", "cupy"): _cs_cuda_space,
     ("chunk_summaries.bwd", "triton"): _cs_bwd_triton_space,
     ("eva_attention", "triton"): _eva_triton_space,
+    ("eva_attention.bwd", "triton"): _eva_bwd_triton_space,
     ("eva_attention", "cuda"): _eva_cuda_space,
     ("eva_attention", "cupy"): _eva_cuda_space,
     ("expert_matmul", "triton"): _em_triton_space,
@@ -526,6 +584,7 @@ DEFAULTS = {
     ("chunk_summaries", "cupy"): _cs_cuda_default,
     ("chunk_summaries.bwd", "triton"): _cs_bwd_triton_default,
     ("eva_attention", "triton"): _eva_triton_default,
+    ("eva_attention.bwd", "triton"): _eva_bwd_triton_default,
     ("expert_matmul", "triton"): _em_triton_default,
     ("expert_matmul.bwd", "triton"): _em_bwd_triton_default,
     ("expert_matmul", "cuda"): _em_cuda_default,

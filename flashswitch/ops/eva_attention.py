@@ -17,6 +17,8 @@ from flashswitch import _common as C
 from flashswitch.autotune import space, store
 
 OP = "eva_attention"
+OP_BWD = OP + ".bwd"
+GRAD_INPUTS = ("q", "k", "v", "k_sum", "v_sum", "summary_bias")  # what `run_backward` returns, in order
 WINDOWS = ("block", "sliding")
 BIAS_DTYPES = C.FLOAT_DTYPES + (torch.float64,)
 
@@ -24,6 +26,12 @@ BIAS_DTYPES = C.FLOAT_DTYPES + (torch.float64,)
 def _features(q: torch.Tensor, k: torch.Tensor, chunk_size: int, window_size: int, window: str) -> dict:
     B, H, Nq, D = q.shape
     return space.features(OP, dtype=C.DTYPE_NAMES[q.dtype], D=D, C=chunk_size, W=window_size, window=window,
+                          decode=Nq <= 16, rows=B * H * Nq, keys=k.shape[2])
+
+
+def _features_bwd(q: torch.Tensor, k: torch.Tensor, chunk_size: int, window_size: int, window: str) -> dict:
+    B, H, Nq, D = q.shape
+    return space.features(OP_BWD, dtype=C.DTYPE_NAMES[q.dtype], D=D, C=chunk_size, W=window_size, window=window,
                           decode=Nq <= 16, rows=B * H * Nq, keys=k.shape[2])
 
 
@@ -62,6 +70,79 @@ def _eva_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: 
 def _(q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset, log_count, backend):
     B, H, Nq, D = q.shape
     return q.new_empty((B, H, Nq, D)), q.new_empty((B, H, Nq), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- backward
+def _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_size, window_size, window, scale,
+                  q_offset, log_count, config=None):
+    """(dq, dk, dv, dk_sum, dv_sum, dbias) by the Triton backward kernels, whichever the forward backend
+    was; dbias is fp32 [B, Hkv, Nc] for a tensor bias, an empty tensor otherwise. dlse may be None."""
+    if backend not in ("triton", "cuda", "cupy"):
+        raise ValueError(f"unknown kernel backend {backend!r}")
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
+    dq = C.new_output((B, H, Nq, D), q.dtype, q.device)
+    dk = C.new_output((B, Hkv, Nk, D), k.dtype, q.device)
+    dv = C.new_output((B, Hkv, Nk, D), v.dtype, q.device)
+    dk_sum = C.new_output((B, Hkv, Nc, D), k_sum.dtype, q.device)
+    dv_sum = C.new_output((B, Hkv, Nc, D), v_sum.dtype, q.device)
+    dbias = C.new_output((B, Hkv, Nc), torch.float32, q.device) if bias is not None else q.new_empty(0)
+    if B * Hkv * D == 0:
+        for t in (dq, dk, dv, dk_sum, dv_sum, dbias):
+            t.zero_()
+        return dq, dk, dv, dk_sum, dv_sum, dbias
+    if config is None:
+        config = store.lookup(OP_BWD, "triton", _features_bwd(q, k, chunk_size, window_size, window))
+    if do.stride(-1) != 1:  # e.g. an expanded gradient
+        do = do.contiguous()
+    if dlse is not None and dlse.stride(-1) != 1:
+        dlse = dlse.contiguous()
+    from flashswitch.kernels_triton.eva_attention_bwd import launch
+    launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum,
+           dbias if bias is not None else None, chunk_size=chunk_size, window_size=window_size,
+           sliding=window == "sliding", scale=scale, q_offset=q_offset, log_count=log_count, config=config)
+    return dq, dk, dv, dk_sum, dv_sum, dbias
+
+
+@torch.library.custom_op("flashswitch::eva_attention_backward", mutates_args=())
+def _eva_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torch.Tensor,
+                               v_sum: torch.Tensor, bias: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor,
+                               do: torch.Tensor, dlse: Optional[torch.Tensor], chunk_size: int, window_size: int,
+                               window: str, scale: float, q_offset: int, log_count: bool, backend: str
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                          torch.Tensor]:
+    return _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_size, window_size, window,
+                         scale, q_offset, log_count)
+
+
+@_eva_attention_backward_op.register_fake
+def _(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_size, window_size, window, scale, q_offset, log_count,
+      backend):
+    dbias = q.new_empty(bias.shape, dtype=torch.float32) if bias is not None else q.new_empty(0)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            torch.empty_like(k_sum, memory_format=torch.contiguous_format),
+            torch.empty_like(v_sum, memory_format=torch.contiguous_format), dbias)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset, log_count, backend = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, k_sum, v_sum, bias, o, lse)
+    ctx.args = (chunk_size, window_size, window, scale, q_offset, log_count, backend)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, k_sum, v_sum, bias, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv, dk_sum, dv_sum, dbias = _eva_attention_backward_op(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse,
+                                                                   *ctx.args)
+    return (dq, dk, dv, dk_sum, dv_sum, dbias if bias is not None else None) + (None,) * 7
+
+
+_eva_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset):
@@ -137,6 +218,26 @@ def run_kernel(backend: str, config: dict, q, k, v, k_sum, v_sum, chunk_size, wi
                         scale, q_offset, log_count, config)
 
 
+def run_backward(backend: str, config, grad_outputs, q, k, v, k_sum, v_sum, chunk_size, window_size,
+                 window="block", scale=None, summary_bias=None, q_offset=None, return_lse=False) -> tuple:
+    """The forward (tuned or default config), then the backward kernels with an explicit `config`
+    (None: the tuned one), for the tuner and the benchmarks. grad_outputs: dO, or (dO,) / (dO, dlse).
+    Returns the gradients named by GRAD_INPUTS (None for summary_bias unless it is a tensor)."""
+    scale, q_offset, bias, log_count = _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
+                                                 summary_bias, q_offset)
+    if isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = (grad_outputs,)
+    do, dlse = (tuple(grad_outputs) + (None,))[:2]
+    kbias = _kernel_bias(bias)
+    with torch.no_grad():
+        o, lse = _run_backend(backend, q, k, v, k_sum, v_sum, kbias, chunk_size, window_size, window, scale,
+                              q_offset, log_count)
+        grads = _run_backward(backend, q, k, v, k_sum, v_sum, kbias, o, lse, do, dlse, chunk_size, window_size,
+                              window, scale, q_offset, log_count, config)
+    dbias = grads[5].to(bias.dtype) if bias is not None else None
+    return grads[:5] + (dbias,)
+
+
 def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torch.Tensor, v_sum: torch.Tensor,
                   *, chunk_size: int, window_size: int, window: str = "block", scale: Optional[float] = None,
                   summary_bias=None, q_offset: Optional[int] = None, return_lse: bool = False,
@@ -152,6 +253,10 @@ def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torc
     token count) or a [B, Hkv, Nc] tensor added to the summary logits. Returns o [B, H, Nq, D] in q's
     dtype, plus the fp32 natural-log normaliser lse [B, H, Nq] when `return_lse`. `backend` is
     "auto", "reference", "triton", "cuda" or "cupy".
+
+    Differentiable in q, k, v, k_sum, v_sum, a tensor summary_bias and through lse. The kernel
+    backends ("triton", "cuda", "cupy") all run the Triton backward kernels (recomputing the
+    softmax from the saved lse; deterministic); "reference" differentiates the torch reference.
     """
     scale, q_offset, bias, log_count = _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
                                                  summary_bias, q_offset)
@@ -172,4 +277,4 @@ def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torc
     return tuple(out) if return_lse else out[0]
 
 
-__all__ = ["eva_attention"]
+__all__ = ["eva_attention", "run_backward", "GRAD_INPUTS"]

@@ -1,0 +1,395 @@
+"""Op 2 backward in Triton: gradients of causal EVA attention from the saved output and lse.
+
+With logits s (natural log, `scale * q.k` plus the summary bias), P = exp(s - lse), the upstream
+gradients dO and dlse, and delta_t = rowsum(dO_t * O_t) - dlse_t:
+
+    dP = dO V^T,   dS = P * (dP - delta),   dV = P^T dO,   dK = scale dS^T Q,   dQ = scale dS K,
+    d bias_c = sum over the query heads of a kv head and over the queries of dS[:, c].
+
+Three kernels, no atomics (two calls give bitwise-equal gradients):
+- `_eva_bwd_delta`: delta, fp32 [B, H, Nq].
+- `_eva_bwd_kv`: one program per (key tile of BLOCK_N exact keys or summaries, batch, kv head). It
+  holds its k/v tile and fp32 dK/dV accumulators and walks the G query heads of its kv head and the
+  query tiles (BLOCK_M positions) that see some key of the tile: exact key j is seen by positions
+  [j, last(j)] (last(j) = W floor(j / W) + W - 1 block, C floor(j / C) + C + W - 2 sliding);
+  summary c by every position from first(c) on (W ceil((c + 1) C / W) block, (c + 1) C + W - 1
+  sliding). P is recomputed from lse; tiles that every (key, query) pair of sees run without masks.
+  Keys and summaries nobody sees get zeros. The summary launch also sums d bias per summary.
+- `_eva_bwd_dq`: one program per query tile of one (batch, head), walking the forward's key blocks
+  (`_tile_blocks`: summaries, then exact keys; masks only on partly visible blocks).
+
+Rows a query cannot see may hold anything (NaN, unused cache): they are loaded, but every term they
+could reach is selected away with `where` (never multiplied by zero). fp32 uses IEEE dot products.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashswitch._common import new_output
+from flashswitch.kernels_triton.eva_attention import (BIAS_LOG_COUNT, BIAS_NONE, BIAS_TENSOR, MAX_HEAD_DIM,
+                                                      _load_kv, _start, _tile_blocks)
+
+LOG2E = 1.4426950408889634
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M_DQ", "BLOCK_N_DQ", "num_warps_dq",
+               "num_stages_dq")
+
+
+@triton.jit
+def _eva_bwd_delta(
+    o_ptr, do_ptr, dlse_ptr, delta_ptr, H, Nq, D: tl.constexpr,
+    stride_ob, stride_oh, stride_om, stride_db, stride_dh, stride_dm,
+    stride_lb, stride_lh, stride_lm,
+    HAS_DLSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d dO * O - dlse (fp32; delta is contiguous [B, H, Nq])."""
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_i < Nq
+    mask = row_ok[:, None] & (offs_d < D)[None, :]
+    rows = offs_i.to(tl.int64)
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :], mask=mask,
+                other=0.0)
+    do = tl.load(do_ptr + b * stride_db + h * stride_dh + rows[:, None] * stride_dm + offs_d[None, :], mask=mask,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        dl = tl.load(dlse_ptr + b * stride_lb + h * stride_lh + rows * stride_lm, mask=row_ok, other=0.0)
+        delta -= dl.to(tl.float32)
+    tl.store(delta_ptr + (b * H + h) * Nq + rows, delta, mask=row_ok)
+
+
+@triton.jit
+def _first_seer(c, C, W, SLIDING: tl.constexpr):
+    """The first position whose queries see summary c (every later one sees it too)."""
+    if SLIDING:
+        t = (c + 1) * C + W - 1
+    else:
+        t = tl.cdiv((c + 1) * C, W) * W
+    return t
+
+
+@triton.jit
+def _last_seer(j, C, W, SLIDING: tl.constexpr):
+    """The last position whose queries see exact key j (positions j .. last see it)."""
+    if SLIDING:
+        t = (j // C) * C + C + W - 2
+    else:
+        t = (j // W) * W + W - 1
+    return t
+
+
+@triton.jit
+def _eva_bwd_kv(
+    q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dbias_ptr,
+    H, Hkv, G, Nq, Nk, Nc, N, D: tl.constexpr, C, W, q_offset,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_bb, stride_bh, stride_bc,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    qk_scale, scale,
+    SUMMARY: tl.constexpr, SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dK, dV of one tile of N keys (exact keys, or with SUMMARY the summaries: k_ptr/v_ptr are then
+    k_sum/v_sum and N = Nc) of one (batch, kv head); with SUMMARY and a tensor bias also d bias."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hkv).to(tl.int64)
+    hkv = (pid_bh % Hkv).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    t_last = q_offset + Nq - 1
+
+    # the k, v rows of the tile (rows past N read as zeros)
+    k_ptrs = k_ptr + b * stride_kb + hkv * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = v_ptr + b * stride_vb + hkv * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :]
+    k, v = _load_kv(k_ptrs, v_ptrs, offs_n, N, mask_d, EVEN_D)
+
+    # the positions that see some key of the tile: [t_lo, t_hi]; a query tile [m0, m0 + BLOCK_M) sees all
+    # of it when m0 >= t_full and m0 + BLOCK_M - 1 <= t_hi
+    n_last = n0 + BLOCK_N - 1
+    if SUMMARY:
+        t_lo = tl.maximum(_first_seer(n0, C, W, SLIDING), q_offset)
+        t_hi = t_last
+        t_full = tl.where(n_last < N, _first_seer(n_last, C, W, SLIDING), t_last + 1)
+        t_full_end = t_last
+        if BIAS_MODE == 1:
+            bias = tl.load(bias_ptr + b * stride_bb + hkv * stride_bh + offs_n.to(tl.int64) * stride_bc,
+                           mask=offs_n < N, other=0.0).to(tl.float32)
+            bias2 = bias * 1.4426950408889634
+        elif BIAS_MODE == 2:
+            count = tl.minimum(C, Nk - offs_n * C).to(tl.float32)            # tokens of chunk n
+            bias2 = tl.log2(tl.maximum(count, 1.0))
+    else:
+        t_lo = tl.maximum(n0, q_offset)
+        t_hi = tl.minimum(_last_seer(tl.minimum(n_last, N - 1), C, W, SLIDING), t_last)
+        t_full = n_last
+        t_full_end = tl.minimum(_last_seer(n0, C, W, SLIDING), t_hi)  # start(t) <= n0 up to here
+    n_tiles = tl.cdiv(tl.maximum(t_hi - t_lo + 1, 0), BLOCK_M)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dbias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for g in range(0, G):
+        h = hkv * G + g
+        q_base = q_ptr + b * stride_qb + h * stride_qh
+        do_base = do_ptr + b * stride_dob + h * stride_doh
+        lse_base = lse_ptr + b * stride_lb + h * stride_lh
+        delta_base = delta_ptr + (b * H + h) * Nq
+        for mt in range(0, n_tiles):
+            m0 = t_lo + mt * BLOCK_M
+            t_row = m0 + offs_m
+            row_ok = t_row <= t_hi
+            i_row = (t_row - q_offset).to(tl.int64)
+            lmask = row_ok[:, None] & mask_d[None, :]
+            q = tl.load(q_base + i_row[:, None] * stride_qm + offs_d[None, :], mask=lmask, other=0.0)
+            do = tl.load(do_base + i_row[:, None] * stride_dom + offs_d[None, :], mask=lmask, other=0.0)
+            lse2 = tl.load(lse_base + i_row * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_base + i_row, mask=row_ok, other=0.0)
+
+            sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale   # [BLOCK_N, BLOCK_M], base 2
+            if SUMMARY and BIAS_MODE != 0:
+                sT += bias2[:, None]
+            full = (m0 >= t_full) & (m0 + BLOCK_M - 1 <= t_full_end)
+            if full:
+                pT = tl.exp2(sT - lse2[None, :])
+                dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+                dsT = pT * (dpT - delta[None, :])
+            else:
+                if SUMMARY:
+                    sc_row = tl.minimum(_start(t_row, C, W, SLIDING) // C, Nc)
+                    vis = (offs_n[:, None] < sc_row[None, :]) & row_ok[None, :]
+                else:
+                    st_row = _start(t_row, C, W, SLIDING)
+                    vis = (offs_n[:, None] >= st_row[None, :]) & (offs_n[:, None] <= t_row[None, :]) & row_ok[None, :]
+                pT = tl.exp2(tl.where(vis, sT, float("-inf")) - lse2[None, :])
+                dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+                dsT = tl.where(vis, pT * (dpT - delta[None, :]), 0.0)
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
+            if SUMMARY and BIAS_MODE == 1:
+                dbias += tl.sum(dsT, axis=1)
+
+    nmask = (offs_n < N)[:, None] & mask_d[None, :]
+    dk_ptrs = dk_ptr + b * stride_dkb + hkv * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :]
+    dv_ptrs = dv_ptr + b * stride_dvb + hkv * stride_dvh + offs_n.to(tl.int64)[:, None] * stride_dvn + offs_d[None, :]
+    tl.store(dk_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=nmask)
+    tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=nmask)
+    if SUMMARY and BIAS_MODE == 1:  # dbias is contiguous fp32 [B, Hkv, Nc]
+        tl.store(dbias_ptr + (b * Hkv + hkv) * N + offs_n, dbias, mask=offs_n < N)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+               e_lo, e_hi, origin, limit, lo_row, hi_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+               SUMMARY: tl.constexpr, MASK: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
+               DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Add dS K of key blocks e in [e_lo, e_hi) (positions origin + e * BLOCK_N + [0, BLOCK_N)) to dq.
+    MASK: row r sees position n iff lo_row[r] <= n <= hi_row[r]; only positions below `limit` are read.
+    Without MASK every row sees the whole block."""
+    for e in range(e_lo, e_hi):
+        n0 = origin + e * BLOCK_N
+        n = n0 + offs_n
+        k_ptrs = k_base + n0.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
+        v_ptrs = v_base + n0.to(tl.int64) * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
+        if MASK:
+            k, v = _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale          # base-2 logits
+        if SUMMARY:
+            if BIAS_MODE == 1:
+                if MASK:
+                    bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=n < limit, other=0.0)
+                else:
+                    bias = tl.load(bias_base + n.to(tl.int64) * stride_bc)
+                s += bias.to(tl.float32)[None, :] * 1.4426950408889634
+            elif BIAS_MODE == 2:
+                count = tl.minimum(C, Nk - n * C).to(tl.float32)                # tokens of chunk n
+                s += tl.log2(tl.maximum(count, 1.0))[None, :]
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        if MASK:
+            vis = (n[None, :] >= lo_row[:, None]) & (n[None, :] <= hi_row[:, None])
+            p = tl.exp2(tl.where(vis, s, float("-inf")) - lse2[:, None])
+            ds = tl.where(vis, p * (dp - delta[:, None]), 0.0)
+        else:
+            p = tl.exp2(s - lse2[:, None])
+            ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _eva_bwd_dq(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    H, Hkv, G, Nq, Nk, Nc, D: tl.constexpr, C, W, q_offset,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vsb, stride_vsh, stride_vsn,
+    stride_bb, stride_bh, stride_bc,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqh, stride_dqm,
+    qk_scale, scale,
+    SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dQ of one tile of BLOCK_M queries of one (batch, head)."""
+    n_row_blocks = tl.num_programs(0)
+    pid_m = n_row_blocks - 1 - tl.program_id(0)     # the longest rows first
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    hkv = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    row_ok = offs_m < Nq
+    t_row = q_offset + offs_m
+    st_row = _start(t_row, C, W, SLIDING)
+    sc_row = tl.minimum(st_row // C, Nc)
+    t_min = q_offset + pid_m * BLOCK_M
+    t_max = q_offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1
+    st_min, c_hi, nb_s_full, nb_s, nb_e, e_a, e_b = _tile_blocks(t_min, t_max, C, W, Nc, SLIDING, BLOCK_N)
+
+    rows = offs_m.to(tl.int64)
+    lmask = row_ok[:, None] & mask_d[None, :]
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :], mask=lmask,
+                other=0.0)
+    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
+                 mask=lmask, other=0.0)
+    lse2 = tl.load(lse_ptr + b * stride_lb + h * stride_lh + rows * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + (b * H + h) * Nq + rows, mask=row_ok, other=0.0)
+
+    k_base = k_ptr + b * stride_kb + hkv * stride_kh
+    v_base = v_ptr + b * stride_vb + hkv * stride_vh
+    ks_base = ks_ptr + b * stride_ksb + hkv * stride_ksh
+    vs_base = vs_ptr + b * stride_vsb + hkv * stride_vsh
+    bias_base = bias_ptr + b * stride_bb + hkv * stride_bh
+    zero_row = tl.zeros([BLOCK_M], dtype=tl.int32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # summaries every row sees, then the rest of them
+    dq = _dq_blocks(dq, q, do, lse2, delta, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
+                    0, nb_s_full, 0, c_hi, zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                    True, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, lse2, delta, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
+                    nb_s_full, nb_s, 0, c_hi, zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                    True, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+    # exact keys below start(t_max), those every row sees, those past t_min (the causal diagonal)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                    0, e_a, st_min, t_max + 1, st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                    False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                    e_a, e_b, st_min, t_max + 1, st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                    False, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                    e_b, nb_e, st_min, t_max + 1, st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                    False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+    dq_ptrs = dq_ptr + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=lmask)
+
+
+# ---------------------------------------------------------------- launcher
+def _block(cfg: dict, name: str) -> int:
+    val = int(cfg[name])
+    if val < 16 or val & (val - 1):
+        raise ValueError(f"config {name} must be a power of two >= 16, got {val}")
+    return val
+
+
+def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum, dbias, *, chunk_size,
+           window_size, sliding, scale, q_offset, log_count, config):
+    """Fill dq [B, H, Nq, D], dk, dv [B, Hkv, Nk, D], dk_sum, dv_sum [B, Hkv, Nc, D] and, when a tensor
+    `bias` is given, dbias (contiguous fp32 [B, Hkv, Nc]); dbias and dlse may be None.
+
+    Inputs as the forward's `launch` takes them, plus its outputs o and lse, the upstream gradients
+    do [B, H, Nq, D] and dlse [B, H, Nq] (unit last strides). The gradient tensors may have any
+    strides with a unit last stride. config: BLOCK_M, BLOCK_N, num_warps, num_stages of the dK/dV
+    kernel (query tiles x key tiles) and BLOCK_M_DQ, BLOCK_N_DQ, num_warps_dq, num_stages_dq of the
+    dQ kernel, all required.
+    """
+    missing = [key for key in CONFIG_KEYS if key not in config]
+    if missing:
+        raise ValueError(f"backward config lacks {missing}")
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"q has head dim {D}; the triton backend supports D <= {MAX_HEAD_DIM}")
+    if B * Hkv == 0:
+        return
+    C, W = int(chunk_size), int(window_size)
+    q_offset = int(q_offset)
+    G = H // Hkv
+    bm, bn = _block(config, "BLOCK_M"), _block(config, "BLOCK_N")
+    bm_dq, bn_dq = _block(config, "BLOCK_M_DQ"), _block(config, "BLOCK_N_DQ")
+    block_d = max(16, triton.next_power_of_2(D))
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    qk_scale = float(scale) * LOG2E
+    if bias is not None:
+        bias_mode, bias_t, sb = BIAS_TENSOR, bias, bias.stride()
+    else:
+        bias_mode, bias_t, sb = (BIAS_LOG_COUNT if log_count else BIAS_NONE), q, (0, 0, 0)
+    dbias_t = dbias if bias is not None else q
+
+    delta = new_output((B, H, max(Nq, 0)), torch.float32, q.device)
+    if Nq > 0 and H > 0:
+        block_r = max(1, min(64, 4096 // block_d))
+        dl = dlse if dlse is not None else lse
+        _eva_bwd_delta[(triton.cdiv(Nq, block_r), B * H)](
+            o, do, dl, delta, H, Nq, D,
+            o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            dl.stride(0), dl.stride(1), dl.stride(2),
+            HAS_DLSE=dlse is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+        )
+
+    common = (H, Hkv, G, Nq, Nk, Nc)
+    q_strides = (q.stride(0), q.stride(1), q.stride(2))
+    tail = ((do.stride(0), do.stride(1), do.stride(2)), (lse.stride(0), lse.stride(1), lse.stride(2)))
+    for summary, kk, vv, gk, gv, n in ((False, k, v, dk, dv, Nk), (True, k_sum, v_sum, dk_sum, dv_sum, Nc)):
+        if n == 0:
+            continue
+        _eva_bwd_kv[(triton.cdiv(n, bn), B * Hkv)](
+            q, kk, vv, bias_t, do, lse, delta, gk, gv, dbias_t,
+            *common, n, D, C, W, q_offset,
+            *q_strides, kk.stride(0), kk.stride(1), kk.stride(2), vv.stride(0), vv.stride(1), vv.stride(2),
+            sb[0], sb[1], sb[2], *tail[0], *tail[1],
+            gk.stride(0), gk.stride(1), gk.stride(2), gv.stride(0), gv.stride(1), gv.stride(2),
+            qk_scale, float(scale),
+            SUMMARY=summary, SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, DOT_PREC=dot_prec,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
+            num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
+        )
+
+    if Nq > 0 and H > 0:
+        bm_dq = min(bm_dq, max(16, triton.next_power_of_2(Nq)))
+        _eva_bwd_dq[(triton.cdiv(Nq, bm_dq), B * H)](
+            q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dq,
+            *common, D, C, W, q_offset,
+            *q_strides, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            k_sum.stride(0), k_sum.stride(1), k_sum.stride(2), v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
+            sb[0], sb[1], sb[2], *tail[0], *tail[1],
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            qk_scale, float(scale),
+            SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, DOT_PREC=dot_prec,
+            BLOCK_M=bm_dq, BLOCK_N=bn_dq, BLOCK_D=block_d,
+            num_warps=int(config["num_warps_dq"]), num_stages=int(config["num_stages_dq"]),
+        )

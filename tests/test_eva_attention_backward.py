@@ -1,0 +1,356 @@
+"""Op 2 backward: gradients of every kernel backend (all run the Triton backward kernels) against
+autograd of the torch reference on fp64 copies of the inputs.
+
+A gradient must be within 2x the error of the torch reference's gradient in the same precision
+(plus the dtype's rounding floor) or within the SPEC's relative bound. Kernel outputs start as NaN
+(FLASHSWITCH_POISON), so a gradient element a kernel forgets to write fails. Also: gradcheck of
+the reference, opcheck of both custom ops, bitwise determinism, the gradient through lse, rows no
+query sees (NaN there must not reach a gradient), explicit configs, torch.compile and CUDA graphs.
+"""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import DEVICE, dtypes_here
+from flashswitch.autotune import space
+from flashswitch.ops import eva_attention as op
+from flashswitch.ops.eva_attention import eva_attention
+from flashswitch.reference.eva_attention import random_problem, torch_eva_attention
+from flashswitch.testing import assert_close
+
+GPU = DEVICE == "cuda"
+F32, F64 = torch.float32, torch.float64
+TENSORS = ("q", "k", "v", "k_sum", "v_sum")
+with_fixture = settings(suppress_health_check=list(settings().suppress_health_check)
+                        + [HealthCheck.function_scoped_fixture])
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
+         "BLOCK_M_DQ": 16, "BLOCK_N_DQ": 16, "num_warps_dq": 4, "num_stages_dq": 1}
+
+
+def _split(p):
+    """(tensor inputs, summary_bias, the other keyword arguments) of a `random_problem`."""
+    rest = {k: v for k, v in p.items() if k not in TENSORS and k != "summary_bias"}
+    return {n: p[n] for n in TENSORS}, p["summary_bias"], rest
+
+
+def _upstream(p, seed):
+    """Random dO and dlse of the problem's output shapes (fp32 for lse)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    B, H, Nq, D = p["q"].shape
+    do = torch.randn(B, H, Nq, D, generator=g).to(p["q"].dtype).to(DEVICE)
+    dlse = torch.randn(B, H, Nq, generator=g).to(DEVICE)
+    return do, dlse
+
+
+def _grads(fn, p, do, dlse, scale=None, dtype=None):
+    """Gradients (TENSORS..., bias or None) of sum(o * dO) [+ sum(lse * dlse)] through `fn` (eva_attention
+    or the torch reference), with the inputs cast to `dtype` (default: as they are)."""
+    ins, bias, rest = _split(p)
+    ins = {n: t.detach().to(dtype or t.dtype).requires_grad_() for n, t in ins.items()}
+    if isinstance(bias, torch.Tensor):
+        bias = bias.detach().to(F64 if dtype == F64 else bias.dtype).requires_grad_()
+    o, lse = fn(**ins, **rest, summary_bias=bias, scale=scale, return_lse=True)
+    loss = (o * do.to(o.dtype)).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse.to(lse.dtype)).sum()
+    leaves = list(ins.values()) + ([bias] if isinstance(bias, torch.Tensor) else [])
+    grads = torch.autograd.grad(loss, leaves)
+    return tuple(grads[:5]) + ((grads[5],) if len(grads) > 5 else (None,))
+
+
+def _kernel(backend):
+    return lambda **kw: eva_attention(**kw, backend=backend)
+
+
+def _check(got, p, do, dlse, scale=None):
+    """Kernel gradients against the fp64 reference; the reference in the inputs' dtype is the baseline."""
+    dtype = p["q"].dtype
+    ref = _grads(torch_eva_attention, p, do, dlse, scale, F64)
+    base = _grads(torch_eva_attention, p, do, dlse, scale)
+    for name, g, r, b in zip(op.GRAD_INPUTS, got, ref, base):
+        if r is None:
+            assert g is None, name
+            continue
+        want = p["summary_bias"] if name == "summary_bias" else p[name]
+        assert g.shape == want.shape and g.dtype == want.dtype and g.device == want.device, name
+        assert_close(f"d{name}", g, r, dtype, baseline=b)
+
+
+@st.composite
+def problems(draw):
+    """Keyword arguments of `random_problem`: both windows, W / C in {1, 2, 8}, GQA, prefill / chunked
+    prefill / decode, every summary_bias mode, odd lengths and head dims, strided layouts."""
+    C = draw(st.sampled_from([1, 2, 3, 4] + ([16] if GPU else [])))
+    W = C * draw(st.sampled_from([1, 2, 8] + ([32] if GPU else [])))
+    Hkv = draw(st.integers(1, 2))
+    G = draw(st.sampled_from([1, 2, 3] + ([4] if GPU else [])))
+    Nk = draw(st.integers(1, 300 if GPU else 70))
+    mode = draw(st.sampled_from(["prefill", "chunked", "decode"]))
+    if mode == "prefill":
+        Nq, q_offset = Nk, None
+    else:
+        Nq = draw(st.integers(1, Nk if mode == "chunked" else min(16, Nk)))
+        q_offset = draw(st.one_of(st.none(), st.integers(0, Nk - Nq)))
+    D = draw(st.sampled_from([1, 3, 16, 40] + ([64, 76, 128, 256] if GPU else [])))
+    return dict(B=draw(st.integers(1, 2)), H=Hkv * G, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, C=C, W=W,
+                window=draw(st.sampled_from(["block", "sliding"])),
+                summary_bias=draw(st.sampled_from([None, "log_count", "tensor"])), q_offset=q_offset,
+                layout=draw(st.sampled_from(["contiguous", "strided"])), dtype=draw(st.sampled_from(dtypes_here())),
+                seed=draw(st.integers(0, 999)))
+
+
+# ---------------------------------------------------------------- gradients vs the fp64 reference
+@with_fixture
+@given(case=problems(), scale=st.sampled_from([None, 0.3, -0.3, 0.0]), use_lse=st.booleans())
+def test_gradients_match_reference(backend, case, scale, use_lse):
+    p = random_problem(device=DEVICE, **case)
+    do, dlse = _upstream(p, case["seed"])
+    dlse = dlse if use_lse else None
+    _check(_grads(_kernel(backend), p, do, dlse, scale), p, do, dlse, scale)
+
+
+@given(case=problems())
+def test_reference_backend_gradients(case):
+    """backend="reference" differentiates the torch reference (in the inputs' precision)."""
+    p = random_problem(device=DEVICE, **case)
+    do, dlse = _upstream(p, case["seed"])
+    _check(_grads(_kernel("reference"), p, do, dlse), p, do, dlse)
+
+
+@pytest.mark.parametrize("window", ["block", "sliding"])
+@pytest.mark.parametrize("bias", [None, "log_count", "tensor"])
+def test_every_tile_kind(backend, window, bias):
+    """16 x 16 tiles on a long problem: query tiles that see a key / summary tile fully and partly,
+    summaries seen by every later query, GQA, q_offset not tile aligned, keys before the first query."""
+    p = random_problem(1, 4, 2, 90, 203, 16, 4, 32, window=window, summary_bias=bias, q_offset=101,
+                       device=DEVICE, seed=5)
+    do, dlse = _upstream(p, 1)
+    ins, b, rest = _split(p)
+    got = op.run_backward(backend, SMALL, (do, dlse), **ins, **rest, summary_bias=b)
+    assert len(got) == len(op.GRAD_INPUTS)
+    _check(got, p, do, dlse)
+
+
+@pytest.mark.parametrize("window,C,W,Nk", [("block", 1, 1, 40), ("block", 4, 4, 37), ("sliding", 4, 4, 37),
+                                           ("block", 2, 64, 50), ("sliding", 3, 9, 1), ("sliding", 2, 8, 33)])
+def test_window_edge_cases(backend, window, C, W, Nk):
+    """C = 1, W = C, W >= N, a single token."""
+    p = random_problem(1, 2, 1, None, Nk, 16, C, W, window=window, summary_bias="tensor", device=DEVICE, seed=Nk)
+    do, dlse = _upstream(p, 2)
+    _check(_grads(_kernel(backend), p, do, dlse), p, do, dlse)
+
+
+@pytest.mark.parametrize("D", [1, 5, 16, 40] + ([64, 76, 128, 256] if GPU else []))
+def test_head_dims(backend, D):
+    p = random_problem(1, 2, 1, None, 45, D, 3, 6, window="sliding", summary_bias="log_count", device=DEVICE,
+                       seed=D)
+    do, _ = _upstream(p, 3)
+    _check(_grads(_kernel(backend), p, do, None), p, do, None)
+
+
+def _space_cases():
+    cases = []
+    for dtype in (["fp32", "fp16", "bf16"] if GPU else ["fp32"]):
+        for decode in (False, True):
+            f = dict(dtype=dtype, D=64 if GPU else 16, C=4, W=16, window="block", decode=decode)
+            n = len(space.config_space(op.OP_BWD, "triton", f))
+            picks = range(n) if GPU else sorted({0, n // 2, n - 1})
+            cases += [(dtype, decode, i) for i in picks]
+    return cases
+
+
+@pytest.mark.parametrize("dtype,decode,index", _space_cases())
+def test_explicit_configs_from_the_space(backend, dtype, decode, index):
+    """Configs of the backward space (all on the GPU, a spread on the CPU) give right gradients."""
+    tdt = {"fp32": F32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    D = 64 if GPU else 16
+    f = dict(dtype=dtype, D=D, C=4, W=16, window="block", decode=decode)
+    cfg = space.config_space(op.OP_BWD, "triton", f)[index]
+    Nk = 150 if GPU else 60
+    p = random_problem(1, 4, 2, 5 if decode else None, Nk, D, 4, 16, summary_bias="tensor", dtype=tdt,
+                       device=DEVICE, seed=index)
+    do, dlse = _upstream(p, index)
+    ins, b, rest = _split(p)
+    _check(op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b), p, do, dlse)
+
+
+def test_backward_features_and_default():
+    q = torch.zeros(1, 4, 33, 64, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 100, 64, dtype=torch.bfloat16)
+    f = op._features_bwd(q, k, 16, 64, "sliding")
+    assert f == dict(dtype="bf16", D=64, C=16, W=64, window="sliding", decode=False, rows=128, keys=128)
+    for dtype in ("fp32", "fp16", "bf16"):
+        for D in (16, 64, 128, 256):
+            for decode in (False, True):
+                f = dict(dtype=dtype, D=D, C=16, W=2048, window="block", decode=decode)
+                cfgs = space.config_space(op.OP_BWD, "triton", f)
+                assert 1 <= len(cfgs) <= 40
+                default = space.default_config(op.OP_BWD, "triton", f)
+                from flashswitch.kernels_triton.eva_attention_bwd import CONFIG_KEYS
+                assert all(set(CONFIG_KEYS) <= set(c) for c in cfgs + [default])
+
+
+def test_incomplete_config_is_an_error(backend):
+    p = random_problem(1, 2, 1, None, 8, 16, 2, 4, device=DEVICE)
+    do, _ = _upstream(p, 0)
+    ins, b, rest = _split(p)
+    with pytest.raises(ValueError, match="BLOCK_M_DQ"):
+        op.run_backward(backend, {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}, do, **ins, **rest,
+                        summary_bias=b)
+
+
+# ---------------------------------------------------------------- what no query sees
+@pytest.mark.parametrize("window", ["block", "sliding"])
+@pytest.mark.parametrize("G,Nq,q_offset", [(1, 1, 40), (2, 3, 25), (2, 7, 0)])
+def test_unseen_rows_get_zero_gradient(backend, window, G, Nq, q_offset):
+    """k/v rows past the last query and before the first query's window, and summaries past the last
+    visible one (more of them than ceil(Nk / C)) hold NaN: every gradient stays finite, and theirs are 0."""
+    Nk, C, W = 60, 2, 8
+    p = random_problem(1, 2 * G, 2, Nq, Nk, 16, C, W, window=window, summary_bias="tensor", q_offset=q_offset,
+                       device=DEVICE, seed=G)
+    extra = 5  # summaries past the end of the keys
+    for name in ("k_sum", "v_sum"):
+        p[name] = torch.cat([p[name], torch.zeros_like(p[name][:, :, :extra])], dim=2)
+    p["summary_bias"] = torch.cat([p["summary_bias"], torch.zeros_like(p["summary_bias"][:, :, :extra])], dim=2)
+    t = torch.arange(Nq) + q_offset
+    from flashswitch.reference.eva_attention import start_positions
+    first = int(start_positions(t[:1], chunk_size=C, window_size=W, window=window)[0])
+    last = int(t[-1])
+    n_sum = int(start_positions(t[-1:], chunk_size=C, window_size=W, window=window)[0]) // C
+    clean = {n: p[n].clone() for n in TENSORS}
+    for name in ("k", "v"):
+        p[name][:, :, last + 1:] = float("nan")
+        p[name][:, :, :first] = float("nan")
+    for name in ("k_sum", "v_sum"):
+        p[name][:, :, n_sum:] = float("nan")
+    do, dlse = _upstream(p, 4)
+    got = _grads(_kernel(backend), p, do, dlse)
+    for name, g in zip(op.GRAD_INPUTS, got):
+        assert torch.isfinite(g).all(), name
+    for i, name in enumerate(("k", "v")):
+        assert (got[1 + i][:, :, last + 1:] == 0).all() and (got[1 + i][:, :, :first] == 0).all(), name
+    for i, name in enumerate(("k_sum", "v_sum")):
+        assert (got[3 + i][:, :, n_sum:] == 0).all(), name
+    assert (got[5][:, :, n_sum:] == 0).all()
+    _check(got, {**p, **clean}, do, dlse)
+
+
+# ---------------------------------------------------------------- autograd plumbing
+def test_gradcheck_reference():
+    p = random_problem(1, 2, 1, None, 11, 3, 2, 4, window="sliding", summary_bias="tensor", dtype=F64, seed=3)
+    ins, b, rest = _split(p)
+    leaves = [t.detach().requires_grad_() for t in ins.values()] + [b.detach().double().requires_grad_()]
+
+    def f(q, k, v, k_sum, v_sum, bias):
+        o, lse = torch_eva_attention(q, k, v, k_sum, v_sum, **rest, summary_bias=bias, return_lse=True)
+        return o, lse
+
+    assert torch.autograd.gradcheck(f, leaves)
+
+
+def test_lse_only_loss(backend):
+    """A loss of lse alone: dO is zero, d lse carries the whole gradient."""
+    p = random_problem(1, 2, 1, None, 30, 16, 2, 8, summary_bias="tensor", device=DEVICE, seed=9)
+    do, dlse = _upstream(p, 5)
+    _check(_grads(_kernel(backend), p, torch.zeros_like(do), dlse), p, torch.zeros_like(do), dlse)
+
+
+def test_bias_dtype_gradient(backend):
+    p = random_problem(1, 2, 1, None, 30, 16, 2, 8, summary_bias="tensor", device=DEVICE, seed=9)
+    p["summary_bias"] = p["summary_bias"].to(torch.float64)
+    do, _ = _upstream(p, 6)
+    got = _grads(_kernel(backend), p, do, None)
+    assert got[5].dtype == torch.float64
+    _check(got, p, do, None)
+
+
+def test_deterministic(backend):
+    """Two backward calls give bitwise-equal gradients."""
+    p = random_problem(1, 4, 2, None, 50, 16, 2, 16, window="sliding", summary_bias="tensor", device=DEVICE, seed=7)
+    do, dlse = _upstream(p, 7)
+    ins, b, rest = _split(p)
+    a = op.run_backward(backend, SMALL, (do, dlse), **ins, **rest, summary_bias=b)
+    c = op.run_backward(backend, SMALL, (do, dlse), **ins, **rest, summary_bias=b)
+    for name, x, y in zip(op.GRAD_INPUTS, a, c):
+        assert torch.equal(x, y), name
+
+
+def _op_args(backend, dtype=F32, requires_grad=True):
+    p = random_problem(1, 2, 1, None, 20, 16, 2, 4, window="block", summary_bias="tensor", dtype=dtype,
+                       device=DEVICE, seed=1)
+    ins, b, _ = _split(p)
+    ts = [t.detach().requires_grad_(requires_grad) for t in ins.values()]
+    bias = b.detach().requires_grad_(requires_grad)
+    return ts + [bias, 2, 4, "block", 0.25, 0, False, backend]
+
+
+def test_opcheck_forward_with_grad(backend):
+    """The forward op with inputs that require grad: schema, fake tensor, autograd registration, aot dispatch."""
+    torch.library.opcheck(op._eva_attention_op, _op_args(backend))
+
+
+def test_opcheck_backward(backend):
+    args = _op_args(backend, requires_grad=False)
+    q, k, v, k_sum, v_sum, bias = args[:6]
+    o, lse = op._eva_attention_op(*args)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    rest = args[6:]
+    torch.library.opcheck(op._eva_attention_backward_op, [q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, *rest])
+    torch.library.opcheck(op._eva_attention_backward_op, [q, k, v, k_sum, v_sum, None, o, lse, do, None, *rest])
+
+
+@pytest.mark.gpu
+def test_compile_gradients_equal_eager(backend):
+    p = random_problem(1, 4, 2, None, 300, 64, 16, 64, window="sliding", summary_bias="tensor",
+                       dtype=torch.bfloat16, device=DEVICE, seed=11)
+    do, dlse = _upstream(p, 11)
+    eager = _grads(_kernel(backend), p, do, dlse)
+    compiled_fn = torch.compile(_kernel(backend), fullgraph=True)
+    compiled = _grads(compiled_fn, p, do, dlse)
+    for name, a, b in zip(op.GRAD_INPUTS, eager, compiled):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_cuda_graph_forward_backward(backend):
+    """A whole fwd + bwd step captured in a CUDA graph and replayed on new inputs."""
+    p = random_problem(1, 4, 2, None, 257, 64, 16, 64, window="block", summary_bias="tensor",
+                       dtype=torch.bfloat16, device=DEVICE, seed=12)
+    do, dlse = _upstream(p, 12)
+    ins, b, rest = _split(p)
+    leaves = [t.detach().clone().requires_grad_() for t in ins.values()] + [b.detach().clone().requires_grad_()]
+
+    def step():
+        o, lse = eva_attention(*leaves[:5], **rest, summary_bias=leaves[5], return_lse=True, backend=backend)
+        return torch.autograd.grad((o * do).sum() + (lse * dlse).sum(), leaves)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    p2 = random_problem(1, 4, 2, None, 257, 64, 16, 64, window="block", summary_bias="tensor",
+                        dtype=torch.bfloat16, device=DEVICE, seed=13)
+    ins2, b2, _ = _split(p2)
+    with torch.no_grad():
+        for leaf, new in zip(leaves, list(ins2.values()) + [b2]):
+            leaf.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(tuple(g.clone() for g in out), p2, do, dlse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D,window,C,W", [(64, "block", 16, 256), (128, "block", 16, 512), (128, "sliding", 32, 256),
+                                          (76, "sliding", 8, 72), (256, "block", 16, 128)])
+def test_large_16bit(backend, dtype, D, window, C, W):
+    """Tensor-core tiles of the default config at sizes where every loop runs many blocks."""
+    p = random_problem(1, 4, 2, None, 1100, D, C, W, window=window, summary_bias="log_count", dtype=dtype,
+                       device=DEVICE, seed=D)
+    do, dlse = _upstream(p, D)
+    _check(_grads(_kernel(backend), p, do, dlse), p, do, dlse)
