@@ -156,7 +156,7 @@ def read_flush_ms(fn, reps: int = 100) -> float:
     value) instead of do_bench's zeroing: every input is as cold as under do_bench, but the L2 then
     holds only clean lines, so the timed call does not write back the flush's own data. The sum's
     ~125 us of GPU time hides up to that much host work per call (do_bench's flush: ~60 us, less
-    than the 144 us a decode call costs this device's host, H200 run 20), so that the events time
+    than the 144 us a decode call costs this device's host, measured on the H200), so that the events time
     the kernels, not a GPU waiting for the host."""
     buf = torch.ones(128 << 20, dtype=torch.float32, device="cuda")
     sink = torch.empty((), dtype=torch.float32, device="cuda")

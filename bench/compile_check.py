@@ -1,6 +1,6 @@
 """Compile an op's Triton (and Gluon) kernels for a GPU that is not here (default sm_90, the H200)
 with the installed Triton, for every config of its tuning spaces: catches the configs the compiler
-rejects (Triton 3.6's software pipeliner failing on a loop, H200 run 23) and reports per kernel the
+rejects (Triton 3.6's software pipeliner failing on a loop, as seen on the H200) and reports per kernel the
 registers, local memory (spills), shared memory and whether ptxas serializes its wgmma, before any
 device time is spent. No GPU needed.
 

@@ -58,7 +58,7 @@ def test_extension_imports_and_registers():
 def test_extension_exports_no_private_libstdcxx():
     """A toolchain that links libstdc++ statically must not leave its copy exported: half-bound to the
     process's libstdc++ (data) and half to its own (code), an integer in a TORCH_CHECK message crashed
-    the process on the H200 machine (run 12, bench/crash_probe.py). setup.py hides static archives."""
+    the process on the H200 machine. setup.py hides static archives."""
     need_extension()
     import shutil
     import subprocess

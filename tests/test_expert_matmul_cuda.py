@@ -226,7 +226,7 @@ def test_extension_rejects_bad_arguments():
     with pytest.raises(RuntimeError, match="weight"):
         fwd(x3, p["weight"].bfloat16(), p["gates"], rt.token, rt.slot, rt.offsets, y, 2, 2, False, 0, 0, 0)
     # (formatting the sizes in this message once crashed the process on a toolchain that links
-    # libstdc++ statically: bench/NOTES.md, op 3, "Fixed (run 14)")
+    # libstdc++ statically: see test_cuda_build.py::test_extension_exports_no_private_libstdcxx)
     with pytest.raises(RuntimeError, match="y"):
         fwd(x3, p["weight"], p["gates"], rt.token, rt.slot, rt.offsets, y.new_empty(8, 1, 8), 2, 2, False, 0, 0, 0)
     with pytest.raises(RuntimeError, match="G_out"):

@@ -183,8 +183,7 @@ def _eva_triton_space(f: dict) -> list[dict]:
     # The 16-bit spaces keep the tiles that can win on Hopper (each config is a compile: ~1-2 s on
     # the device's CPU), about 16-32 per prefill bucket and 16 compiles x 6 split counts per decode one.
     # FUSE: one loop over all key blocks instead of five (one software pipeline kept full; masks
-    # decided per block at run time). It won the sliding W=256 bucket (H200 run 10) and block D=64
-    # (runs 22, 24).
+    # decided per block at run time). It won the sliding W=256 bucket and block D=64 on the H200.
     fp32 = f["dtype"] == "fp32"
     big_d = f["D"] > 128
     fuses = (False,) if fp32 else (False, True)
@@ -208,7 +207,7 @@ def _eva_triton_space(f: dict) -> list[dict]:
             out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, **({"FUSE": True} if fu else {})})
     if not fp32 and f["D"] <= 64:
         # the one-loop walk with a deeper pointer pipeline (64 x 64 FUSE tiles win block D = 64; 4
-        # stages did not, run 24)
+        # stages did not)
         out += [{"BLOCK_M": 64, "BLOCK_N": bn, "num_warps": 4, "num_stages": 4, "FUSE": True} for bn in (64, 128)]
     if not fp32 and f["D"] <= 128:
         # Three programs per SM, so that one program's softmax can overlap another's MMAs: Triton 3.6
@@ -221,10 +220,10 @@ def _eva_triton_space(f: dict) -> list[dict]:
         out += [{**c, "maxnreg": 168} for c in base]
     if not fp32 and f["D"] <= 128 and f.get("window") == "block":
         # k/v/summary tiles by TMA (descriptors, no address registers): 64 x 64 and 128 x 128 tiles won
-        # on block D = 128 (H200 run 17); 4 stages at D = 64; up to the 227 KB of shared memory. A
+        # on block D = 128 (H200); 4 stages at D = 64; up to the 227 KB of shared memory. A
         # 128-row tile also with one warpgroup where its registers allow (D <= 64), and deeper pipelines
         # (6 stages) where they fit. Register-capped 64 x 64 TMA tiles (3-4 programs per SM) lost at
-        # D = 64 (run 22). First in the list, so that a tuning budget cut short has timed them.
+        # D = 64. First in the list, so that a tuning budget cut short has timed them.
         tma = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": True}
                for bm, bn, s, w in itertools.product((64, 128), (64, 128), (2, 3, 4, 6), (4, 8))
                if not (bm == 64 and w == 8)
@@ -234,23 +233,23 @@ def _eva_triton_space(f: dict) -> list[dict]:
         # the one-loop walk with k/v/summary tiles by TMA ([B, Hkv, N, D] descriptors cut at the last
         # visible row): no address arithmetic nor load masks per block (304 instead of 352 instructions
         # per 64 x 64 block at D = 64, sm_90 SASS). 256-row tiles (16 warps) read each k/v tile from L2
-        # once for 4 warpgroups (L2 traffic limits the 64-row tile at D = 128, Nsight run 15; at D = 128
-        # ptxas serializes their wgmma, 1.24 ms vs 1.20 for 128 x 128 in run 33). First, for a tuning
+        # once for 4 warpgroups (L2 traffic limits the 64-row tile at D = 128, Nsight Compute; at D = 128
+        # ptxas serializes their wgmma, 1.24 ms vs 1.20 for 128 x 128 on the H200). First, for a tuning
         # budget cut short.
         tiles = ((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8), (256, 64, 16))
         fused_tma = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "FUSE": True, "TMA": True}
                      for (bm, bn, w), s in itertools.product(tiles, (2, 3, 4))
                      if _eva_triton_fits(f, bm, bn, w, s, smem_kb=224)]
         # q held in registers for q.k (RS wgmma; a loaded q is read from shared memory by each q.k
-        # wgmma): no gain at block D = 128 (run 32), kept as a tuning option; ptxas serializes the wgmma of
+        # wgmma): no gain at block D = 128, kept as a tuning option; ptxas serializes the wgmma of
         # the tiles with BLOCK_N == D (sm_90 SASS, Triton 3.6 and 3.8), so only the others
         qreg = [{**c, "QREG": True} for c in fused_tma if c["BLOCK_N"] != f["D"] and c["num_warps"] < 16]
         out = qreg + fused_tma + out
     if not fp32 and 32 <= f["D"] <= 128 and f["D"] & (f["D"] - 1) == 0:
         # the warp-specialized Gluon kernel (producer warp, mbarrier ring, two consumer warpgroups of
         # 64 rows; kernels_triton/eva_attention_gluon.py): 128 x 64 with 3 stages won block D = 128
-        # (1.11 ms vs 1.18 for the Triton tile, H200 run 38); it lost sliding W = 256 and block D = 64
-        # (run 37). D >= 32: the D's its GPU tests have passed at (run 39). First, for a tuning budget
+        # (1.11 ms vs 1.18 for the Triton tile on the H200); it lost sliding W = 256 and block D = 64.
+        # D >= 32: the D's its GPU tests have passed at. First, for a tuning budget
         # cut short.
         gluon = [{"GLUON": True, "BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": s}
                  for bn, s in ((64, 3), (64, 2), (64, 4), (128, 2))

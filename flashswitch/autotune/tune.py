@@ -40,7 +40,7 @@ MAX_RECORDED_FAILURES = 10
 RUNNERS_UP = 4  # the next-fastest configs kept beside the winner: how close the race was
 # The sweep's fastest configs are timed again in this many interleaved rounds and ranked by their
 # median: one timing per config, taken between compiles on a card whose clock follows its power,
-# picks the luckiest draw (the minimum over dozens of configs 4-7% apart, H200 runs 29-32)
+# picks the luckiest draw (the minimum over dozens of configs 4-7% apart, measured on the H200)
 FINAL_ROUNDS = 5
 
 # time_fn(fn, *, backend, config) -> milliseconds (median); the default is `bench_ms`

@@ -11,8 +11,8 @@ emit on sm_90:
   rescales and issues p·v of block e, and p·v of block e while it computes the softmax of block
   e + 1; once p·v of block e retires, it arrives on block e's "empty" barrier (count 2: the stage
   is refilled once both warpgroups are done with it). (Making them take turns issuing their wgmma,
-  as FlashAttention-3 does, cost 1-4% in H200 run 37; rescaling o only when a row's max moved by
-  more than 8, 4-11% in run 38.)
+  as FlashAttention-3 does, cost 1-4% on the H200; rescaling o only when a row's max moved by
+  more than 8, 4-11%: docs/PERFORMANCE.md.)
 
 k, v and the summaries are read through [B * Hkv, rows, D] descriptors whose rows stop at the last
 key and the last summary any query sees: a block reading past them gets zeros, and the rows it reads
@@ -263,7 +263,7 @@ def _major(device_index):
 @functools.lru_cache(maxsize=None)
 def _box_layout(box: tuple, dtype: torch.dtype):
     """The shared-memory layout of a TMA box: computed once per box and dtype (building it costs
-    ~25 us of host time per call, which short calls wait for: H200 run 41)."""
+    ~25 us of host time per call, which short calls wait for)."""
     return gl.NVMMASharedLayout.get_default_for(list(box), gl.float16 if dtype == torch.float16 else gl.bfloat16)
 
 

@@ -121,7 +121,7 @@ ROUTE_ENV = "FLASHSWITCH_ROUTE"  # "device" (default): the extension's one-call 
 def _device_route_wanted() -> bool:
     """The extension has the device routing op (kernels_cuda/route.cu) and FLASHSWITCH_ROUTE is not
     "torch": one C++ call instead of ~8 torch launches, most of route()'s cost on a slow host. Both
-    give the same route (bitwise, tests/test_expert_matmul_cuda.py, H200 run 10)."""
+    give the same route (bitwise, tests/test_expert_matmul_cuda.py)."""
     return os.environ.get(ROUTE_ENV, "device") != "torch" and _device_route_available()
 
 
