@@ -422,7 +422,9 @@ class BackwardSpec(OpSpec):
 
     def kernel_callable(self, backend: str, config: Optional[dict], problem: dict) -> Callable[[], object]:
         run, grad_outputs, fwd_problem = self.ops().run_backward, problem["grad_outputs"], self.forward_problem(problem)
-        return lambda: run(backend, config, grad_outputs, **fwd_problem)
+        present = self._present(self.ops().GRAD_INPUTS, problem)  # names of the gradients the problem has
+        keep = [i for i, n in enumerate(self.ops().GRAD_INPUTS) if n in present]
+        return lambda: tuple(run(backend, config, grad_outputs, **fwd_problem)[i] for i in keep)
 
     def features(self, problem: dict) -> dict:
         return self.ops().problem_features_bwd(**self.forward_problem(problem))
@@ -551,7 +553,7 @@ CHUNK_SUMMARIES_BWD = BackwardSpec(
         dict(B=2, H=2, N=64, D=64, C=16, omega="chunk", key_weight=True, layout="strided"),
         dict(B=1, H=2, N=21, D=16, C=1, omega="head", key_weight=True),
     ),
-    demo_case=dict(B=1, H=4, N=256, D=64, C=16, omega="head"),
+    demo_case=dict(B=1, H=2, N=64, D=16, C=8, omega="head"),
     bench_shapes=(dict(B=1, H=16, N=32768, D=128, C=16), dict(B=2, H=16, N=8192, D=128, C=16)),
     bench_x="N", bench_compare=("reference",), bench_rotate=True, kernel_backends=("triton",),
 )
@@ -569,7 +571,7 @@ EVA_ATTENTION_BWD = BackwardSpec(
         dict(B=1, H=4, Hkv=2, Nq=5, Nk=29, D=16, C=4, W=12, window="sliding", layout="strided"),
         dict(B=2, H=4, Hkv=2, Nq=1, Nk=50, D=16, C=4, W=8, summary_bias="tensor"),
     ),
-    demo_case=dict(B=1, H=4, Hkv=2, Nk=128, D=32, C=8, W=32),
+    demo_case=dict(B=1, H=2, Hkv=1, Nk=48, D=16, C=4, W=16),
     bench_shapes=EVA_ATTENTION.bench_shapes[:3],
     bench_x="Nk", bench_compare=("flex", "sdpa_causal"), bench_plot={"kind": "speedup", "over": "flex"},
     kernel_backends=("triton",),
@@ -589,7 +591,7 @@ EXPERT_MATMUL_BWD = BackwardSpec(
         dict(T=9, S=2, E=3, d_in=16, d_out=8, gated=False, routing="duplicates"),
         dict(T=11, S=3, E=5, d_in=8, d_out=20, G_in=3, routing="sparse"),
     ),
-    demo_case=dict(T=64, S=4, E=8, d_in=64, d_out=32, G_out=2),
+    demo_case=dict(T=32, S=4, E=4, d_in=16, d_out=16, G_out=2),
     bench_shapes=EXPERT_MATMUL.bench_shapes + (
         dict(T=16384, S=6, E=10, d_in=412, d_out=76, G_out=2, gated=True),
         dict(T=16384, S=6, E=10, d_in=76, d_out=412, G_in=2, G_out=1, gated=True)),

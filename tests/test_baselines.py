@@ -232,7 +232,8 @@ def test_grouped_mm_pipeline_gpu(case):
 
 # ---------------------------------------------------------------- registry entries of ops 2 and 3
 def test_registry_has_all_ops():
-    assert list(registry.OPS) == ["chunk_summaries", "eva_attention", "expert_matmul"]
+    assert list(registry.OPS) == ["chunk_summaries", "eva_attention", "expert_matmul", "chunk_summaries.bwd",
+                                  "eva_attention.bwd", "expert_matmul.bwd"]
     for spec in registry.OPS.values():
         assert spec.check_cases and spec.demo_case and spec.bench_shapes
         for shape in spec.bench_shapes:

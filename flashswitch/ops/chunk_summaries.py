@@ -181,6 +181,11 @@ def problem_features(k, v, chunk_size, omega=None, key_weight=None, valid=None, 
     return _features(k, chunk_size, key_weight, valid)
 
 
+def problem_features_bwd(k, v, chunk_size, omega=None, key_weight=None, valid=None, scale=None) -> dict:
+    """The backward pass's autotune bucket of a problem (keyword arguments as `chunk_summaries` takes them)."""
+    return _features_bwd(k, chunk_size, key_weight, valid)
+
+
 def run_kernel(backend: str, config: dict, k, v, chunk_size, omega=None, key_weight=None, valid=None,
                scale=None):
     """One kernel call with an explicit config, for the tuner and the benchmarks: (k_sum, v_sum, lse)."""

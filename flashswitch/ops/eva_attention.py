@@ -209,6 +209,12 @@ def problem_features(q, k, v, k_sum, v_sum, chunk_size, window_size, window="blo
     return _features(q, k, chunk_size, window_size, window)
 
 
+def problem_features_bwd(q, k, v, k_sum, v_sum, chunk_size, window_size, window="block", scale=None,
+                         summary_bias=None, q_offset=None, return_lse=False) -> dict:
+    """The backward pass's autotune bucket of a problem (keyword arguments as `eva_attention` takes them)."""
+    return _features_bwd(q, k, chunk_size, window_size, window)
+
+
 def run_kernel(backend: str, config: dict, q, k, v, k_sum, v_sum, chunk_size, window_size, window="block",
                scale=None, summary_bias=None, q_offset=None, return_lse=False):
     """One kernel call with an explicit config, for the tuner and the benchmarks: (o, lse)."""

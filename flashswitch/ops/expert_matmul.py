@@ -319,6 +319,13 @@ def problem_features(x, expert_idx, num_experts, weight, gates=None, out_groups=
     return _features(_x3(x), weight, S, G_out, deterministic)
 
 
+def problem_features_bwd(x, expert_idx, num_experts, weight, gates=None, out_groups=None,
+                         deterministic=False) -> dict:
+    """The backward pass's autotune bucket of a problem (keyword arguments as `random_problem` returns them)."""
+    T, S = expert_idx.shape
+    return _features_bwd(_x3(x), weight, S, S if out_groups is None else int(out_groups), gates is not None)
+
+
 def run_kernel(backend: str, config, x, expert_idx, num_experts, weight, gates=None, out_groups=None,
                deterministic=False):
     """Routing + one kernel call with an explicit config (None: tuned/default), for the tuner and the
