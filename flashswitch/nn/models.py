@@ -63,6 +63,8 @@ class ModelConfig:
     context: int = 256
     rope_fraction: float = 0.5
     attention: str = "sdpa"
+    eva_chunk_size: int = 64
+    eva_window_size: int = 256
     backend: str = "auto"
 
     def __post_init__(self):
@@ -112,11 +114,12 @@ class DenseAttention(nn.Module):
     """Causal multi-head self-attention with rotary embeddings (the dense baseline)."""
 
     def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, attention: str = "sdpa",
-                 rope_fraction: float = 0.5, rope_base: float = 10000.0, backend: str = "auto", device=None,
-                 dtype=None):
+                 rope_fraction: float = 0.5, rope_base: float = 10000.0, eva_chunk_size: int = 64,
+                 eva_window_size: int = 256, backend: str = "auto", device=None, dtype=None):
         super().__init__()
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
         self.attention, self.backend = attention, backend
+        self.eva = dict(eva_chunk_size=eva_chunk_size, eva_window_size=eva_window_size)
         self.n_rot, self.rope_base = rotary_dims(head_dim, rope_fraction), rope_base
         kw = dict(device=device, dtype=dtype)
         self.qkv = nn.Parameter(torch.empty(3 * num_heads * head_dim, embed_dim, **kw))
@@ -130,12 +133,13 @@ class DenseAttention(nn.Module):
         H, D = self.num_heads, self.head_dim
         q, k, v = F.linear(x, self.qkv).view(B, N, 3, H, D).unbind(2)
         q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), self.n_rot, self.rope_base)
-        a = causal_attention(q, k, v.transpose(1, 2), attention=self.attention, backend=self.backend)
+        a = causal_attention(q, k, v.transpose(1, 2), attention=self.attention, backend=self.backend, **self.eva)
         return F.linear(a.transpose(1, 2).reshape(B, N, H * D), self.out)
 
     def macs_per_token(self, seq_len: int) -> float:
         d, HD = self.embed_dim, self.num_heads * self.head_dim
-        return 4 * d * HD + attention_macs_per_token(self.num_heads, self.head_dim, seq_len, attention=self.attention)
+        return 4 * d * HD + attention_macs_per_token(self.num_heads, self.head_dim, seq_len, attention=self.attention,
+                                                     **self.eva)
 
 
 class DenseMLP(nn.Module):
@@ -170,10 +174,12 @@ class Block(nn.Module):
         if cfg.att_experts:
             self.att = SwitchHeadAttention(d, cfg.n_heads, cfg.head_dim, cfg.att_experts, cfg.att_k,
                                            attention=cfg.attention, rope_fraction=cfg.rope_fraction,
+                                           eva_chunk_size=cfg.eva_chunk_size, eva_window_size=cfg.eva_window_size,
                                            backend=cfg.backend, **kw)
         else:
             self.att = DenseAttention(d, cfg.n_heads, cfg.head_dim, attention=cfg.attention,
-                                      rope_fraction=cfg.rope_fraction, backend=cfg.backend, **kw)
+                                      rope_fraction=cfg.rope_fraction, eva_chunk_size=cfg.eva_chunk_size,
+                                      eva_window_size=cfg.eva_window_size, backend=cfg.backend, **kw)
         if cfg.moe_experts:
             self.mlp = SigmaMoE(d, cfg.moe_experts, cfg.moe_expert_dim, cfg.moe_k, expert_dropout=cfg.moe_expert_dropout,
                                 entropy_reg=cfg.moe_entropy_reg, backend=cfg.backend, **kw)
