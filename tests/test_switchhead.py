@@ -8,12 +8,14 @@ the plain logits. Every backend that can run here is checked forward; backward o
 expert_matmul has a gradient (`grad_backends`: the reference everywhere, kernels once their backward
 exists). Kernel outputs start as NaN (conftest), so an unwritten row fails.
 """
+import contextlib
 import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from hypothesis import given, strategies as st
 
 from conftest import DEVICE, kernel_backends
@@ -264,6 +266,21 @@ def test_macs_per_token():
     assert eva == attention_macs_per_token(H, D, N) + 3 * H * D
     m = models.build_model("47M", "switchall", device="meta")
     assert m.macs_per_token(256) == sum(b.macs_per_token(256) for b in m.blocks) + 8000 * 412
+    macs = models.paper_macs("262M", 512)
+    assert macs["dense"] > macs["switchhead"] > macs["switchall"]
+
+
+def test_expert_dropout_only_in_training():
+    """Training with expert_dropout 0 is eval; with dropout the output changes but stays finite."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 8)
+    for layer in (SwitchHeadAttention(8, 2, 4, 4, 2, expert_dropout=0.5), SigmaMoE(8, 6, 4, 2, expert_dropout=0.5)):
+        y_eval = layer.eval()(x)
+        layer.expert_dropout = 0.0
+        torch.testing.assert_close(layer.train()(x), y_eval, rtol=0, atol=0)
+        layer.expert_dropout = 0.5
+        y_drop = layer.train()(x)
+        assert torch.isfinite(y_drop).all() and not torch.equal(y_drop, y_eval)
 
 
 def test_paper_configs():
@@ -385,7 +402,10 @@ def test_half_precision_layers_on_gpu(dtype, attention):
     moe = SigmaMoE(64, 16, 32, 4, device="cuda").eval()
     x = torch.randn(2, 200, 64, device="cuda")
     for mod, plain in ((layer, plain_switchhead), (moe, plain_sigma_moe)):
-        with torch.autocast("cuda", dtype=dtype):
+        # sdpa: the padded head dim (76 -> 80) must take SDPA's flash kernel (an error otherwise)
+        flash = attention == "sdpa" and mod is layer
+        with torch.autocast("cuda", dtype=dtype), (
+                sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash else contextlib.nullcontext()):
             y = mod(x)
         assert y.dtype == dtype
         with torch.no_grad():
@@ -428,3 +448,28 @@ def test_cuda_graph_capture_of_layers():
     eager = step()
     for a, b in zip(static_out, eager):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", models.VARIANTS)
+def test_model_bf16_autocast_step_on_gpu(variant):
+    """A small model of each variant under bf16 autocast on the kernels: a training step where the
+    kernels differentiate (finite loss that goes down), else a finite forward."""
+    backend = next((b for b in grad_backends() if b != "reference"), kernel_backends()[0])
+    torch.manual_seed(0)
+    m = models.build_model("47M", variant, backend=backend, device="cuda", n_layers=2, vocab_size=512, dropout=0.0)
+    tokens = torch.randint(0, 512, (4, 129), device="cuda")
+    if backend not in grad_backends():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            assert torch.isfinite(m(tokens)).all()
+        return
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m.loss(tokens)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]

@@ -109,6 +109,12 @@ def build_model(size: str = "47M", variant: str = "switchhead", *, device=None, 
     return DecoderLM(paper_config(size, variant, **overrides), device=device, dtype=dtype)
 
 
+def paper_macs(size: str = "47M", seq_len=None, **overrides) -> dict:
+    """{variant: multiply-accumulates per token of one forward pass} for one paper size (built on the
+    meta device: no memory, no compute); dense / other is a variant's ideal speedup."""
+    return {v: build_model(size, v, device="meta", **overrides).macs_per_token(seq_len) for v in VARIANTS}
+
+
 # ---------------------------------------------------------------- dense baseline layers
 class DenseAttention(nn.Module):
     """Causal multi-head self-attention with rotary embeddings (the dense baseline)."""
@@ -203,9 +209,9 @@ class Block(nn.Module):
 class DecoderLM(nn.Module):
     """Token embedding, cfg.n_layers pre-norm blocks, final LayerNorm, output layer.
 
-    forward(tokens [B, N] int) -> logits [B, N, vocab] (fp32 when autocast computes them in half).
-    loss(tokens, targets=None): mean next-token cross-entropy (targets default: tokens shifted by one)
-    plus the sigma-MoE regularisers in training.
+    forward(tokens [B, N] int) -> logits [B, N, vocab] in the compute dtype (autocast's inside autocast).
+    loss(tokens, targets=None): mean next-token cross-entropy in fp32 (targets default: tokens shifted
+    by one) plus the sigma-MoE regularisers in training.
     """
 
     def __init__(self, cfg: ModelConfig, *, device=None, dtype=None):
