@@ -224,12 +224,25 @@ def test_sigma_moe_ties_and_empty_experts(backend):
         assert int(empty.sum()) == 3 and torch.all(grads["down"][empty] == 0)
 
 
+@pytest.mark.parametrize("shape", [(0, 5, 8), (2, 0, 8)])
+def test_empty_inputs(shape):
+    """No tokens: empty outputs and zero gradients, every attention path."""
+    for layer in (SwitchHeadAttention(8, 2, 4, 3, 2, **EVA), SwitchHeadAttention(8, 2, 4, 3, 2, attention="eva", **EVA),
+                  SigmaMoE(8, 4, 3, 2)):
+        x = torch.randn(*shape, requires_grad=True)
+        y = layer(x)
+        assert y.shape == shape
+        y.sum().backward()
+        assert all(p.grad is None or not p.grad.any() for p in layer.parameters())
+
+
 # ---------------------------------------------------------------- router, rotary, MACs
 def test_sigmoid_top_k_picks_largest_and_drops_experts():
     torch.manual_seed(0)
     logits = torch.randn(50, 3, 7)
     idx, gates = sigmoid_top_k(logits, 3)
-    assert torch.equal(gates.sort(-1, descending=True).values, torch.sigmoid(logits).sort(-1, descending=True).values[..., :3])
+    top = torch.sigmoid(logits).sort(-1, descending=True).values[..., :3]
+    assert torch.equal(gates.sort(-1, descending=True).values, top)
     assert torch.equal(torch.sigmoid(logits).gather(-1, idx), gates)
     # expert dropout: only in training; a dropped expert is chosen only when fewer than k survive, gate 0
     idx_eval, _ = sigmoid_top_k(logits, 3, expert_dropout=0.99, training=False)

@@ -187,8 +187,9 @@ class Block(nn.Module):
                                       rope_fraction=cfg.rope_fraction, eva_chunk_size=cfg.eva_chunk_size,
                                       eva_window_size=cfg.eva_window_size, backend=cfg.backend, **kw)
         if cfg.moe_experts:
-            self.mlp = SigmaMoE(d, cfg.moe_experts, cfg.moe_expert_dim, cfg.moe_k, expert_dropout=cfg.moe_expert_dropout,
-                                entropy_reg=cfg.moe_entropy_reg, backend=cfg.backend, **kw)
+            self.mlp = SigmaMoE(d, cfg.moe_experts, cfg.moe_expert_dim, cfg.moe_k,
+                                expert_dropout=cfg.moe_expert_dropout, entropy_reg=cfg.moe_entropy_reg,
+                                backend=cfg.backend, **kw)
         else:
             self.mlp = DenseMLP(d, cfg.d_ff, **kw)
         self.drop = nn.Dropout(cfg.dropout)

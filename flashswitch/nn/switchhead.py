@@ -130,7 +130,8 @@ class SwitchHeadAttention(nn.Module):
             raise ValueError(f"experts_per_head = {experts_per_head} must be <= num_experts = {num_experts}")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-        if isinstance(rope_fraction, bool) or not isinstance(rope_fraction, (int, float)) or not 0 <= rope_fraction <= 1:
+        if isinstance(rope_fraction, bool) or not isinstance(rope_fraction, (int, float)) \
+                or not 0 <= rope_fraction <= 1:
             raise ValueError(f"rope_fraction must be a float in [0, 1], got {rope_fraction!r}")
         self.attention = attention
         self.n_rot = rotary_dims(head_dim, rope_fraction)
