@@ -389,6 +389,7 @@ def test_sigma_moe_entropy_regulariser():
     (lambda: SwitchHeadAttention(8, 2, 4, 2, 1, attention="eva", eva_chunk_size=3, eva_window_size=4),
      "eva_window_size"),
     (lambda: SwitchHeadAttention(8, 2, 4, 2, 1, expert_dropout=1.0), "expert_dropout"),
+    (lambda: SwitchHeadAttention(8, 2, 4, 2, 1, eva_window="global"), "eva_window"),
     (lambda: SwitchHeadAttention(8, 2, 4, 2, 1)(torch.randn(3, 8)), "x"),
     (lambda: SigmaMoE(8, 4, 3, 5), "experts_per_token"),
     (lambda: SigmaMoE(8, 4, 3, 2)(torch.randn(3, 7)), "x"),

@@ -142,6 +142,8 @@ class SwitchHeadAttention(nn.Module):
         if attention == "eva" and eva_window_size % eva_chunk_size:
             raise ValueError(f"eva_window_size = {eva_window_size} must be a multiple of eva_chunk_size = "
                              f"{eva_chunk_size}")
+        if eva_window not in ("block", "sliding"):
+            raise ValueError(f"eva_window must be 'block' or 'sliding', got {eva_window!r}")
         self.eva_window = eva_window
         self.backend = backend
         H, E, D, d = num_heads, num_experts, head_dim, embed_dim
