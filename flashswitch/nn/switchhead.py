@@ -1,0 +1,212 @@
+"""SwitchHead attention (Csordas et al., "SwitchHead: Accelerating Transformers with Mixture-of-Experts
+Attention", NeurIPS 2024) and the causal-attention pieces the dense baseline shares with it.
+
+Per head h: dense q and k; the value and output projections are mixtures of E experts, each token
+picking k of them per head with a sigmoid router (one router for V on the source side, one for O on
+the destination side; in self-attention both read the layer input x):
+    V_h = sum_{e in topk(s_V,h)} s_V,h[e] x W_V[h, e],   O = sum_h sum_{e in topk(s_O,h)} s_O,h[e] A_h W_O[h, e]
+with A_h the causal attention output of head h. Both projections run as one op-3 call each
+(`flashswitch.route` + `flashswitch.expert_matmul`, gates fused, global expert id = h * E + e).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashswitch.nn._routing import (check_positive, check_probability, compute_dtype, init_router_, matmul_weight,
+                                     sigmoid_top_k)
+from flashswitch.ops.chunk_summaries import chunk_summaries
+from flashswitch.ops.eva_attention import eva_attention
+from flashswitch.ops.expert_matmul import expert_matmul, route
+
+ATTENTIONS = ("sdpa", "eva")
+_SDPA_HEAD_MULTIPLE = 8  # SDPA's flash kernels take head dims that are multiples of 8
+
+
+# ---------------------------------------------------------------- rotary embeddings
+def rotary_dims(head_dim: int, fraction: float) -> int:
+    """How many leading head dims rotate (even; the rest pass through, as in the paper's RoPE models)."""
+    return 2 * int(fraction * head_dim / 2)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, n_rot: int, base: float = 10000.0):
+    """Rotate the first n_rot dims of q, k [B, H, N, D] by position (rotate-half pairing: dim i pairs
+    with i + n_rot/2; angles in fp32, fp64 for fp64 inputs)."""
+    if n_rot == 0:
+        return q, k
+    N = q.shape[-2]
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    inv_freq = base ** (-torch.arange(0, n_rot, 2, dtype=dt, device=q.device) / n_rot)
+    angle = torch.arange(N, dtype=dt, device=q.device)[:, None] * inv_freq
+    cos, sin = angle.cos(), angle.sin()
+
+    def rotate(t):
+        r = t[..., :n_rot].to(dt)
+        r1, r2 = r[..., : n_rot // 2], r[..., n_rot // 2:]
+        out = torch.cat([r1 * cos - r2 * sin, r2 * cos + r1 * sin], -1).to(t.dtype)
+        return torch.cat([out, t[..., n_rot:]], -1)
+
+    return rotate(q), rotate(k)
+
+
+# ---------------------------------------------------------------- causal attention
+def causal_attention(q, k, v, *, attention: str = "sdpa", scale=None, eva_chunk_size: int = 64,
+                     eva_window_size: int = 256, eva_window: str = "block", backend: str = "auto"):
+    """Causal attention of q, k, v [B, H, N, D] -> [B, H, N, D].
+
+    "sdpa": torch's scaled_dot_product_attention with is_causal=True (its flash path), head dims padded
+    with zeros to a multiple of 8 (zero q/k columns leave the logits unchanged, zero v columns are cut).
+    "eva": EVA attention (ops 1-2): summaries of every chunk of `eva_chunk_size` keys, then exact keys
+    in the window and one summary per earlier chunk.
+    """
+    D = q.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    if attention == "sdpa":
+        pad = (-D) % _SDPA_HEAD_MULTIPLE
+        if pad:
+            q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return o[..., :D] if pad else o
+    if attention == "eva":
+        k_sum, v_sum = chunk_summaries(k, v, eva_chunk_size, scale=scale, backend=backend)
+        return eva_attention(q, k, v, k_sum, v_sum, chunk_size=eva_chunk_size, window_size=eva_window_size,
+                             window=eva_window, scale=scale, backend=backend)
+    raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+
+
+def attention_macs_per_token(num_heads: int, head_dim: int, seq_len: int, *, attention: str = "sdpa",
+                             eva_chunk_size: int = 64, eva_window_size: int = 256, eva_window: str = "block") -> float:
+    """Multiply-accumulates per token of causal attention over a sequence of seq_len tokens, averaged
+    over positions: q.k and p.v for every visible (query, key) pair; EVA adds its summaries (about 3
+    per key and head dim: |k|^2, the key mean, the weighted value sum)."""
+    N = seq_len
+    if N <= 0:
+        return 0.0
+    if attention == "sdpa":
+        pairs = N * (N + 1) // 2
+        extra = 0
+    else:
+        from flashswitch.reference.eva_attention import visible_pairs
+        Nc = -(-N // eva_chunk_size)
+        pairs = visible_pairs(N, N, Nc, chunk_size=eva_chunk_size, window_size=eva_window_size, window=eva_window)
+        extra = 3 * N
+    return num_heads * head_dim * (2 * pairs + extra) / N
+
+
+# ---------------------------------------------------------------- the layer
+class SwitchHeadAttention(nn.Module):
+    """Causal self-attention with mixture-of-experts value and output projections (SwitchHead).
+
+    embed_dim: d_model. num_heads: H attention heads (H attention matrices). head_dim: d_head.
+    num_experts: E experts per head for each of V and O (H * E in each weight tensor; global expert id
+    h * E + e). experts_per_head: k experts each token uses per head and projection.
+    attention: "sdpa" (torch's flash attention) or "eva" (flashswitch ops 1-2, with eva_chunk_size,
+    eva_window_size, eva_window). rope_fraction: share of each head's dims rotated by RoPE (the paper's
+    RoPE models rotate half; 0 turns it off). expert_dropout: probability of dropping a router score in
+    training. backend: the flashswitch backend of every op the layer calls ("auto": kernels on the GPU,
+    the differentiable reference on the CPU).
+
+    forward(x [B, N, embed_dim]) -> [B, N, embed_dim]; no host synchronisation (routing runs with
+    check=False), so it can run under torch.compile and CUDA-graph capture. Inside autocast the expert
+    matmuls and attention run in the autocast dtype with fp32 master weights read by the kernels.
+
+    Parameters (the paper's init): qk [2 H d_head, d] and v_experts [H E, d, d_head] ~ N(0, 1/d);
+    o_experts [H E, d_head, d] ~ N(0, 1/(H d_head)); router [2 H E, d] (value-router rows first, then
+    output-router rows) N(0, 1/d) rows rescaled to unit norm.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, head_dim: int, num_experts: int, experts_per_head: int, *,
+                 attention: str = "sdpa", rope_fraction: float = 0.5, rope_base: float = 10000.0,
+                 expert_dropout: float = 0.0, eva_chunk_size: int = 64, eva_window_size: int = 256,
+                 eva_window: str = "block", backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        self.embed_dim = check_positive("embed_dim", embed_dim)
+        self.num_heads = check_positive("num_heads", num_heads)
+        self.head_dim = check_positive("head_dim", head_dim)
+        self.num_experts = check_positive("num_experts", num_experts)
+        self.experts_per_head = check_positive("experts_per_head", experts_per_head)
+        if experts_per_head > num_experts:
+            raise ValueError(f"experts_per_head = {experts_per_head} must be <= num_experts = {num_experts}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        if isinstance(rope_fraction, bool) or not isinstance(rope_fraction, (int, float)) \
+                or not 0 <= rope_fraction <= 1:
+            raise ValueError(f"rope_fraction must be a float in [0, 1], got {rope_fraction!r}")
+        self.attention = attention
+        self.n_rot = rotary_dims(head_dim, rope_fraction)
+        self.rope_base = float(rope_base)
+        self.expert_dropout = check_probability("expert_dropout", expert_dropout)
+        self.eva_chunk_size = check_positive("eva_chunk_size", eva_chunk_size)
+        self.eva_window_size = check_positive("eva_window_size", eva_window_size)
+        if attention == "eva" and eva_window_size % eva_chunk_size:
+            raise ValueError(f"eva_window_size = {eva_window_size} must be a multiple of eva_chunk_size = "
+                             f"{eva_chunk_size}")
+        if eva_window not in ("block", "sliding"):
+            raise ValueError(f"eva_window must be 'block' or 'sliding', got {eva_window!r}")
+        self.eva_window = eva_window
+        self.backend = backend
+        H, E, D, d = num_heads, num_experts, head_dim, embed_dim
+        kw = dict(device=device, dtype=dtype)
+        self.qk = nn.Parameter(torch.empty(2 * H * D, d, **kw))
+        self.router = nn.Parameter(torch.empty(2 * H * E, d, **kw))
+        self.v_experts = nn.Parameter(torch.empty(H * E, d, D, **kw))
+        self.o_experts = nn.Parameter(torch.empty(H * E, D, d, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        d, HD = self.embed_dim, self.num_heads * self.head_dim
+        with torch.no_grad():
+            self.qk.normal_(0.0, d ** -0.5)
+            self.v_experts.normal_(0.0, d ** -0.5)
+            self.o_experts.normal_(0.0, HD ** -0.5)
+        init_router_(self.router)
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"num_experts={self.num_experts}, experts_per_head={self.experts_per_head}, "
+                f"attention={self.attention!r}, rotary_dims={self.n_rot}")
+
+    def select(self, x2: torch.Tensor):
+        """Routing of x2 [T, d]: (expert ids int64 [2, T, H k], gates fp32 [2, T, H k]) for V (index 0) and
+        O (index 1); slot s = h k + j holds head h's j-th pick, as global id h E + e."""
+        T = x2.shape[0]
+        H, E, k = self.num_heads, self.num_experts, self.experts_per_head
+        logits = F.linear(x2, self.router.to(x2.dtype)).view(T, 2, H, E)
+        idx, gates = sigmoid_top_k(logits, k, expert_dropout=self.expert_dropout, training=self.training)
+        idx = idx + torch.arange(H, device=idx.device)[:, None] * E
+        return idx.transpose(0, 1).reshape(2, T, H * k), gates.transpose(0, 1).reshape(2, T, H * k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"x must be [B, N, {self.embed_dim}], got shape {tuple(x.shape)}")
+        B, N, d = x.shape
+        T, H, E, D = B * N, self.num_heads, self.num_experts, self.head_dim
+        dt = compute_dtype(x)
+        x2 = x.reshape(T, d).to(dt)
+        ids, gates = self.select(x2)
+        v_route = route(ids[0], H * E, check=False)
+        o_route = route(ids[1], H * E, check=False)
+        v = expert_matmul(x2, v_route, matmul_weight(self.v_experts, dt), gates=gates[0], out_groups=H,
+                          backend=self.backend)  # [T, H, D]
+        qk = F.linear(x2, self.qk.to(dt)).view(B, N, 2, H, D)
+        q, k = apply_rotary(qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2), self.n_rot, self.rope_base)
+        a = causal_attention(q, k, v.view(B, N, H, D).transpose(1, 2), attention=self.attention,
+                             eva_chunk_size=self.eva_chunk_size, eva_window_size=self.eva_window_size,
+                             eva_window=self.eva_window, backend=self.backend)
+        a = a.transpose(1, 2).reshape(T, H, D)
+        y = expert_matmul(a, o_route, matmul_weight(self.o_experts, dt), gates=gates[1], out_groups=1,
+                          backend=self.backend)  # [T, 1, d]
+        return y.view(B, N, d)
+
+    def macs_per_token(self, seq_len: int) -> float:
+        """Multiply-accumulates per token: routers, dense q/k, k experts of V and O per head, and causal
+        attention averaged over a sequence of seq_len tokens."""
+        d, H, D, E, k = self.embed_dim, self.num_heads, self.head_dim, self.num_experts, self.experts_per_head
+        projections = 2 * H * E * d + 2 * d * H * D + H * k * d * D + H * k * D * d
+        return projections + attention_macs_per_token(H, D, seq_len, attention=self.attention,
+                                                      eva_chunk_size=self.eva_chunk_size,
+                                                      eva_window_size=self.eva_window_size,
+                                                      eva_window=self.eva_window)
