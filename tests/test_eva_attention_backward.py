@@ -118,17 +118,36 @@ def test_reference_backend_gradients(case):
 
 
 @pytest.mark.parametrize("window", ["block", "sliding"])
-@pytest.mark.parametrize("bias", [None, "log_count", "tensor"])
-def test_every_tile_kind(backend, window, bias):
-    """16 x 16 tiles on a long problem: query tiles that see a key / summary tile fully and partly,
-    summaries seen by every later query, GQA, q_offset not tile aligned, keys before the first query."""
-    p = random_problem(1, 4, 2, 90, 203, 16, 4, 32, window=window, summary_bias=bias, q_offset=101,
+@pytest.mark.parametrize("C,W,bias", [(4, 32, None), (3, 9, "log_count"), (2, 30, "tensor")])
+@pytest.mark.parametrize("bm,bn", [(16, 16), (32, 16)])
+def test_every_tile_kind(backend, window, C, W, bias, bm, bn):
+    """Small tiles on a long problem: query tiles that see a key / summary tile fully and partly (window
+    and chunk edges at every offset within a tile), summaries seen by every later query, GQA, q_offset
+    not tile aligned, keys before the first query."""
+    p = random_problem(1, 4, 2, 70, 141, 16, C, W, window=window, summary_bias=bias, q_offset=62,
                        device=DEVICE, seed=5)
     do, dlse = _upstream(p, 1)
     ins, b, rest = _split(p)
-    got = op.run_backward(backend, SMALL, (do, dlse), **ins, **rest, summary_bias=b)
+    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm)
+    got = op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
     assert len(got) == len(op.GRAD_INPUTS)
     _check(got, p, do, dlse)
+
+
+@with_fixture
+@given(C=st.integers(1, 5), m=st.integers(1, 16), window=st.sampled_from(["block", "sliding"]),
+       Nk=st.integers(1, 110), data=st.data(), bm=st.sampled_from([16, 32]), bn=st.sampled_from([16, 32]))
+def test_small_tiles_match_reference(backend, C, m, window, Nk, data, bm, bn):
+    """16 / 32-row tiles at random query offsets and window / chunk sizes: the boundaries between fully
+    and partly visible tiles fall at every offset within a tile."""
+    Nq = data.draw(st.integers(1, Nk))
+    q_offset = data.draw(st.integers(0, Nk - Nq))
+    p = random_problem(1, 2, 1, Nq, Nk, 16, C, C * m, window=window, summary_bias="tensor", q_offset=q_offset,
+                       device=DEVICE, seed=Nk)
+    do, dlse = _upstream(p, Nq)
+    ins, b, rest = _split(p)
+    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm)
+    _check(op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b), p, do, dlse)
 
 
 @pytest.mark.parametrize("window,C,W,Nk", [("block", 1, 1, 40), ("block", 4, 4, 37), ("sliding", 4, 4, 37),
@@ -299,10 +318,13 @@ def test_opcheck_backward(backend):
     torch.library.opcheck(op._eva_attention_backward_op, [q, k, v, k_sum, v_sum, None, o, lse, do, None, *rest])
 
 
-@pytest.mark.gpu
 def test_compile_gradients_equal_eager(backend):
-    p = random_problem(1, 4, 2, None, 300, 64, 16, 64, window="sliding", summary_bias="tensor",
-                       dtype=torch.bfloat16, device=DEVICE, seed=11)
+    """torch.compile(fullgraph=True) traces both custom ops (also under the interpreter on the CPU)."""
+    if GPU:
+        p = random_problem(1, 4, 2, None, 300, 64, 16, 64, window="sliding", summary_bias="tensor",
+                           dtype=torch.bfloat16, device=DEVICE, seed=11)
+    else:
+        p = random_problem(1, 2, 1, None, 20, 16, 2, 4, window="sliding", summary_bias="tensor", seed=11)
     do, dlse = _upstream(p, 11)
     eager = _grads(_kernel(backend), p, do, dlse)
     compiled_fn = torch.compile(_kernel(backend), fullgraph=True)
