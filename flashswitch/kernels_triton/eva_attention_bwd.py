@@ -8,7 +8,8 @@ gradients dO and dlse, and delta_t = rowsum(dO_t * O_t) - dlse_t:
 
 Three kernels, no atomics (two calls give bitwise-equal gradients):
 - `_eva_bwd_delta`: delta, fp32 [B, H, Nq].
-- `_eva_bwd_kv`: one program per (key tile of BLOCK_N exact keys or summaries, batch, kv head). It
+- `_eva_bwd_kv`: one program per (key tile of BLOCK_N exact keys or summaries, batch, kv head), one
+  launch for both kinds (the long summary programs first). It
   holds its k/v tile and fp32 dK/dV accumulators and walks the G query heads of its kv head and the
   query tiles (BLOCK_M positions) that see some key of the tile: exact key j is seen by positions
   [j, last(j)] (last(j) = W floor(j / W) + W - 1 block, C floor(j / C) + C + W - 2 sliding);
@@ -84,8 +85,8 @@ def _last_seer(j, C, W, SLIDING: tl.constexpr):
 
 
 @triton.jit
-def _eva_bwd_kv(
-    q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dbias_ptr,
+def _kv_tile(
+    pid_n, pid_bh, q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dbias_ptr,
     H, Hkv, G, Nq, Nk, Nc, N, D: tl.constexpr, C, W, q_offset,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -99,10 +100,8 @@ def _eva_bwd_kv(
     SUMMARY: tl.constexpr, SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """dK, dV of one tile of N keys (exact keys, or with SUMMARY the summaries: k_ptr/v_ptr are then
-    k_sum/v_sum and N = Nc) of one (batch, kv head); with SUMMARY and a tensor bias also d bias."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """dK, dV of key tile pid_n of N keys (exact keys, or with SUMMARY the summaries: k_ptr/v_ptr are then
+    k_sum/v_sum and N = Nc) of (batch, kv head) pid_bh; with SUMMARY and a tensor bias also d bias."""
     b = (pid_bh // Hkv).to(tl.int64)
     hkv = (pid_bh % Hkv).to(tl.int64)
     n0 = pid_n * BLOCK_N
@@ -189,6 +188,52 @@ def _eva_bwd_kv(
     tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=nmask)
     if SUMMARY and BIAS_MODE == 1:  # dbias is contiguous fp32 [B, Hkv, Nc]
         tl.store(dbias_ptr + (b * Hkv + hkv) * N + offs_n, dbias, mask=offs_n < N)
+
+
+@triton.jit
+def _eva_bwd_kv(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dks_ptr, dvs_ptr,
+    dbias_ptr, H, Hkv, G, Nq, Nk, Nc, D: tl.constexpr, C, W, q_offset, n_sum_tiles, n_key_tiles,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vsb, stride_vsh, stride_vsn,
+    stride_bb, stride_bh, stride_bc,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_dksb, stride_dksh, stride_dksn,
+    stride_dvsb, stride_dvsh, stride_dvsn,
+    qk_scale, scale,
+    SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One launch for summary tiles then exact-key tiles. Summary tile c0 is seen by every query from
+    first(c0) on, so the early summaries are the longest programs: they come first, tile-major over the
+    (batch, kv head)s, and the many short exact-key programs fill in behind them."""
+    pid = tl.program_id(0)
+    BH = tl.num_programs(0) // (n_sum_tiles + n_key_tiles)
+    n_sum_programs = n_sum_tiles * BH
+    if pid < n_sum_programs:
+        _kv_tile(pid // BH, pid % BH, q_ptr, ks_ptr, vs_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dks_ptr, dvs_ptr,
+                 dbias_ptr, H, Hkv, G, Nq, Nk, Nc, Nc, D, C, W, q_offset,
+                 stride_qb, stride_qh, stride_qm, stride_ksb, stride_ksh, stride_ksn,
+                 stride_vsb, stride_vsh, stride_vsn, stride_bb, stride_bh, stride_bc,
+                 stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
+                 stride_dksb, stride_dksh, stride_dksn, stride_dvsb, stride_dvsh, stride_dvsn,
+                 qk_scale, scale, True, SLIDING, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_D)
+    else:
+        # neighbouring programs: neighbouring key tiles of one head, whose query ranges overlap (L2)
+        p = pid - n_sum_programs
+        _kv_tile(p % n_key_tiles, p // n_key_tiles, q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr,
+                 dk_ptr, dv_ptr, dbias_ptr, H, Hkv, G, Nq, Nk, Nc, Nk, D, C, W, q_offset,
+                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, stride_bb, stride_bh, stride_bc,
+                 stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
+                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                 qk_scale, scale, False, SLIDING, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -364,17 +409,18 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv
     common = (H, Hkv, G, Nq, Nk, Nc)
     q_strides = (q.stride(0), q.stride(1), q.stride(2))
     tail = ((do.stride(0), do.stride(1), do.stride(2)), (lse.stride(0), lse.stride(1), lse.stride(2)))
-    for summary, kk, vv, gk, gv, n in ((False, k, v, dk, dv, Nk), (True, k_sum, v_sum, dk_sum, dv_sum, Nc)):
-        if n == 0:
-            continue
-        _eva_bwd_kv[(triton.cdiv(n, bn), B * Hkv)](
-            q, kk, vv, bias_t, do, lse, delta, gk, gv, dbias_t,
-            *common, n, D, C, W, q_offset,
-            *q_strides, kk.stride(0), kk.stride(1), kk.stride(2), vv.stride(0), vv.stride(1), vv.stride(2),
+    n_sum_tiles, n_key_tiles = triton.cdiv(Nc, bn), triton.cdiv(Nk, bn)
+    if n_sum_tiles + n_key_tiles > 0:
+        _eva_bwd_kv[((n_sum_tiles + n_key_tiles) * B * Hkv,)](
+            q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dk, dv, dk_sum, dv_sum, dbias_t,
+            *common, D, C, W, q_offset, n_sum_tiles, n_key_tiles,
+            *q_strides, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            k_sum.stride(0), k_sum.stride(1), k_sum.stride(2), v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
             sb[0], sb[1], sb[2], *tail[0], *tail[1],
-            gk.stride(0), gk.stride(1), gk.stride(2), gv.stride(0), gv.stride(1), gv.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            dk_sum.stride(0), dk_sum.stride(1), dk_sum.stride(2), dv_sum.stride(0), dv_sum.stride(1), dv_sum.stride(2),
             qk_scale, float(scale),
-            SUMMARY=summary, SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, DOT_PREC=dot_prec,
+            SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, DOT_PREC=dot_prec,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
             num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
         )
