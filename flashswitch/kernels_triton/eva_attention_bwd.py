@@ -141,45 +141,44 @@ def _kv_tile(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dbias = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for g in range(0, G):
-        h = hkv * G + g
+    # one flat loop over (query head of the group, query tile): a single software pipeline
+    for it in range(0, G * n_tiles):
+        h = hkv * G + it // n_tiles
         q_base = q_ptr + b * stride_qb + h * stride_qh
         do_base = do_ptr + b * stride_dob + h * stride_doh
         lse_base = lse_ptr + b * stride_lb + h * stride_lh
         delta_base = delta_ptr + (b * H + h) * Nq
-        for mt in range(0, n_tiles):
-            m0 = t_lo + mt * BLOCK_M
-            t_row = m0 + offs_m
-            row_ok = t_row <= t_hi
-            i_row = (t_row - q_offset).to(tl.int64)
-            lmask = row_ok[:, None] & mask_d[None, :]
-            q = tl.load(q_base + i_row[:, None] * stride_qm + offs_d[None, :], mask=lmask, other=0.0)
-            do = tl.load(do_base + i_row[:, None] * stride_dom + offs_d[None, :], mask=lmask, other=0.0)
-            lse2 = tl.load(lse_base + i_row * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(delta_base + i_row, mask=row_ok, other=0.0)
+        m0 = t_lo + (it % n_tiles) * BLOCK_M
+        t_row = m0 + offs_m
+        row_ok = t_row <= t_hi
+        i_row = (t_row - q_offset).to(tl.int64)
+        lmask = row_ok[:, None] & mask_d[None, :]
+        q = tl.load(q_base + i_row[:, None] * stride_qm + offs_d[None, :], mask=lmask, other=0.0)
+        do = tl.load(do_base + i_row[:, None] * stride_dom + offs_d[None, :], mask=lmask, other=0.0)
+        lse2 = tl.load(lse_base + i_row * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(delta_base + i_row, mask=row_ok, other=0.0)
 
-            sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale   # [BLOCK_N, BLOCK_M], base 2
-            if SUMMARY and BIAS_MODE != 0:
-                sT += bias2[:, None]
-            full = (m0 >= t_full) & (m0 + BLOCK_M - 1 <= t_full_end)
-            if full:
-                pT = tl.exp2(sT - lse2[None, :])
-                dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-                dsT = pT * (dpT - delta[None, :])
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale   # [BLOCK_N, BLOCK_M], base 2
+        if SUMMARY and BIAS_MODE != 0:
+            sT += bias2[:, None]
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        full = (m0 >= t_full) & (m0 + BLOCK_M - 1 <= t_full_end)
+        if full:
+            pT = tl.exp2(sT - lse2[None, :])
+            dsT = pT * (dpT - delta[None, :])
+        else:
+            if SUMMARY:
+                sc_row = tl.minimum(_start(t_row, C, W, SLIDING) // C, Nc)
+                vis = (offs_n[:, None] < sc_row[None, :]) & row_ok[None, :]
             else:
-                if SUMMARY:
-                    sc_row = tl.minimum(_start(t_row, C, W, SLIDING) // C, Nc)
-                    vis = (offs_n[:, None] < sc_row[None, :]) & row_ok[None, :]
-                else:
-                    st_row = _start(t_row, C, W, SLIDING)
-                    vis = (offs_n[:, None] >= st_row[None, :]) & (offs_n[:, None] <= t_row[None, :]) & row_ok[None, :]
-                pT = tl.exp2(tl.where(vis, sT, float("-inf")) - lse2[None, :])
-                dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-                dsT = tl.where(vis, pT * (dpT - delta[None, :]), 0.0)
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
-            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
-            if SUMMARY and BIAS_MODE == 1:
-                dbias += tl.sum(dsT, axis=1)
+                st_row = _start(t_row, C, W, SLIDING)
+                vis = (offs_n[:, None] >= st_row[None, :]) & (offs_n[:, None] <= t_row[None, :]) & row_ok[None, :]
+            pT = tl.exp2(tl.where(vis, sT, float("-inf")) - lse2[None, :])
+            dsT = tl.where(vis, pT * (dpT - delta[None, :]), 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        if SUMMARY and BIAS_MODE == 1:
+            dbias += tl.sum(dsT, axis=1)
 
     nmask = (offs_n < N)[:, None] & mask_d[None, :]
     dk_ptrs = dk_ptr + b * stride_dkb + hkv * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :]
