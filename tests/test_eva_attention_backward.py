@@ -376,3 +376,16 @@ def test_large_16bit(backend, dtype, D, window, C, W):
                        device=DEVICE, seed=D)
     do, dlse = _upstream(p, D)
     _check(_grads(_kernel(backend), p, do, dlse), p, do, dlse)
+
+
+@pytest.mark.parametrize("shape", [dict(B=1, Nq=0, Nk=10, q_offset=3), dict(B=0, Nq=None, Nk=10),
+                                   dict(B=1, Nq=0, Nk=0)])
+def test_empty_problems(backend, shape):
+    """No queries (every gradient but dq is zeros), no batch, no keys."""
+    p = random_problem(H=2, Hkv=1, D=16, C=2, W=4, summary_bias="tensor", device=DEVICE, **shape)
+    do, _ = _upstream(p, 0)
+    ins, b, rest = _split(p)
+    got = op.run_backward(backend, None, do, **ins, **rest, summary_bias=b)
+    for name, g in zip(op.GRAD_INPUTS, got):
+        want = b if name == "summary_bias" else p[name]
+        assert g.shape == want.shape and (g == 0).all(), name
