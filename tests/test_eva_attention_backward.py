@@ -119,8 +119,8 @@ def test_reference_backend_gradients(case):
 
 @pytest.mark.parametrize("window", ["block", "sliding"])
 @pytest.mark.parametrize("C,W,bias", [(4, 32, None), (3, 9, "log_count"), (2, 30, "tensor")])
-@pytest.mark.parametrize("bm,bn", [(16, 16), (32, 16)])
-def test_every_tile_kind(backend, window, C, W, bias, bm, bn):
+@pytest.mark.parametrize("bm,bn,splits", [(16, 16, 1), (32, 16, 3)])
+def test_every_tile_kind(backend, window, C, W, bias, bm, bn, splits):
     """Small tiles on a long problem: query tiles that see a key / summary tile fully and partly (window
     and chunk edges at every offset within a tile), summaries seen by every later query, GQA, q_offset
     not tile aligned, keys before the first query."""
@@ -128,7 +128,7 @@ def test_every_tile_kind(backend, window, C, W, bias, bm, bn):
                        device=DEVICE, seed=5)
     do, dlse = _upstream(p, 1)
     ins, b, rest = _split(p)
-    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm)
+    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits)
     got = op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
     assert len(got) == len(op.GRAD_INPUTS)
     _check(got, p, do, dlse)
@@ -136,17 +136,19 @@ def test_every_tile_kind(backend, window, C, W, bias, bm, bn):
 
 @with_fixture
 @given(C=st.integers(1, 5), m=st.integers(1, 16), window=st.sampled_from(["block", "sliding"]),
-       Nk=st.integers(1, 110), data=st.data(), bm=st.sampled_from([16, 32]), bn=st.sampled_from([16, 32]))
-def test_small_tiles_match_reference(backend, C, m, window, Nk, data, bm, bn):
+       Nk=st.integers(1, 110), data=st.data(), bm=st.sampled_from([16, 32]), bn=st.sampled_from([16, 32]),
+       splits=st.sampled_from([0, 1, 2, 5]))
+def test_small_tiles_match_reference(backend, C, m, window, Nk, data, bm, bn, splits):
     """16 / 32-row tiles at random query offsets and window / chunk sizes: the boundaries between fully
-    and partly visible tiles fall at every offset within a tile."""
+    and partly visible tiles fall at every offset within a tile. Summary tiles cut into 1-5 pieces
+    (0: automatic), more pieces than query tiles included."""
     Nq = data.draw(st.integers(1, Nk))
     q_offset = data.draw(st.integers(0, Nk - Nq))
     p = random_problem(1, 2, 1, Nq, Nk, 16, C, C * m, window=window, summary_bias="tensor", q_offset=q_offset,
                        device=DEVICE, seed=Nk)
     do, dlse = _upstream(p, Nq)
     ins, b, rest = _split(p)
-    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm)
+    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits)
     _check(op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b), p, do, dlse)
 
 
@@ -288,8 +290,9 @@ def test_deterministic(backend):
     p = random_problem(1, 4, 2, None, 50, 16, 2, 16, window="sliding", summary_bias="tensor", device=DEVICE, seed=7)
     do, dlse = _upstream(p, 7)
     ins, b, rest = _split(p)
-    a = op.run_backward(backend, SMALL, (do, dlse), **ins, **rest, summary_bias=b)
-    c = op.run_backward(backend, SMALL, (do, dlse), **ins, **rest, summary_bias=b)
+    cfg = dict(SMALL, SUM_SPLITS=3)
+    a = op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
+    c = op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
     for name, x, y in zip(op.GRAD_INPUTS, a, c):
         assert torch.equal(x, y), name
 

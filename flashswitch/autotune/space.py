@@ -254,7 +254,7 @@ def _eva_bwd_triton_space(f: dict) -> list[dict]:
     # kernel keeps four BLOCK_N x D tiles live (k, v, dk, dv), so it wants the wide key side (64 x 128,
     # FlashAttention-2's Hopper choice at D = 128); dQ keeps q, dO, dq: a wide query side (128 x 64).
     # D > 128 halves them. fp32 (IEEE FMA dots) only takes small tiles. num_stages pipelines the
-    # walked tiles' loads. Pairs of (dK/dV, dQ) choices: 8-24 configs per bucket.
+    # walked tiles' loads. Pairs of (dK/dV, dQ) choices: 12-28 configs per bucket.
     fp32 = f["dtype"] == "fp32"
     decode = bool(f.get("decode"))
     if fp32:
@@ -275,6 +275,10 @@ def _eva_bwd_triton_space(f: dict) -> list[dict]:
             continue
         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s,
                     "BLOCK_M_DQ": bm2, "BLOCK_N_DQ": bn2, "num_warps_dq": w2, "num_stages_dq": s})
+    if not fp32 and not decode:
+        # pieces per summary tile (the early summaries are seen by nearly every query: few long programs
+        # unless cut; absent = automatic), on the default tiles
+        out += [{**_eva_bwd_triton_default(f), "SUM_SPLITS": sp} for sp in (1, 2, 4, 8)]
     uniq = []
     for c in out:
         if c not in uniq:

@@ -86,8 +86,8 @@ def _last_seer(j, C, W, SLIDING: tl.constexpr):
 
 @triton.jit
 def _kv_tile(
-    pid_n, pid_bh, q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dbias_ptr,
-    H, Hkv, G, Nq, Nk, Nc, N, D: tl.constexpr, C, W, q_offset,
+    pid_n, pid_bh, split, n_splits, q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    dbias_ptr, H, Hkv, G, Nq, Nk, Nc, N, D: tl.constexpr, C, W, q_offset,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -101,7 +101,9 @@ def _kv_tile(
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dK, dV of key tile pid_n of N keys (exact keys, or with SUMMARY the summaries: k_ptr/v_ptr are then
-    k_sum/v_sum and N = Nc) of (batch, kv head) pid_bh; with SUMMARY and a tensor bias also d bias."""
+    k_sum/v_sum and N = Nc) of (batch, kv head) pid_bh; with SUMMARY and a tensor bias also d bias. The
+    (query head, query tile) pairs that see the tile are cut into n_splits pieces; this one sums piece
+    `split` (its caller points the gradients at that piece's partial sums)."""
     b = (pid_bh // Hkv).to(tl.int64)
     hkv = (pid_bh % Hkv).to(tl.int64)
     n0 = pid_n * BLOCK_N
@@ -142,7 +144,7 @@ def _kv_tile(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dbias = tl.zeros([BLOCK_N], dtype=tl.float32)
     # one flat loop over (query head of the group, query tile): a single software pipeline
-    for it in range(0, G * n_tiles):
+    for it in range(split * (G * n_tiles) // n_splits, (split + 1) * (G * n_tiles) // n_splits):
         h = hkv * G + it // n_tiles
         q_base = q_ptr + b * stride_qb + h * stride_qh
         do_base = do_ptr + b * stride_dob + h * stride_doh
@@ -192,7 +194,7 @@ def _kv_tile(
 @triton.jit
 def _eva_bwd_kv(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dks_ptr, dvs_ptr,
-    dbias_ptr, H, Hkv, G, Nq, Nk, Nc, D: tl.constexpr, C, W, q_offset, n_sum_tiles, n_key_tiles,
+    dbias_ptr, H, Hkv, G, Nq, Nk, Nc, D: tl.constexpr, C, W, q_offset, n_sum_tiles, n_key_tiles, SUM_SPLITS,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -205,19 +207,26 @@ def _eva_bwd_kv(
     stride_dvb, stride_dvh, stride_dvn,
     stride_dksb, stride_dksh, stride_dksn,
     stride_dvsb, stride_dvsh, stride_dvsn,
+    stride_dkss, stride_dvss, stride_dbs,
     qk_scale, scale,
     SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One launch for summary tiles then exact-key tiles. Summary tile c0 is seen by every query from
     first(c0) on, so the early summaries are the longest programs: they come first, tile-major over the
-    (batch, kv head)s, and the many short exact-key programs fill in behind them."""
+    (batch, kv head)s, and the many short exact-key programs fill in behind them. With SUM_SPLITS > 1
+    each summary tile's queries are cut into that many pieces, whose partial sums (fp32, one slice per
+    piece: dks/dvs/dbias then point at scratch) `_eva_bwd_sum_splits` adds up in order."""
     pid = tl.program_id(0)
-    BH = tl.num_programs(0) // (n_sum_tiles + n_key_tiles)
-    n_sum_programs = n_sum_tiles * BH
+    BH = tl.num_programs(0) // (n_sum_tiles * SUM_SPLITS + n_key_tiles)
+    n_sum_programs = n_sum_tiles * SUM_SPLITS * BH
     if pid < n_sum_programs:
-        _kv_tile(pid // BH, pid % BH, q_ptr, ks_ptr, vs_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dks_ptr, dvs_ptr,
-                 dbias_ptr, H, Hkv, G, Nq, Nk, Nc, Nc, D, C, W, q_offset,
+        r = pid % (SUM_SPLITS * BH)
+        split = r // BH
+        _kv_tile(pid // (SUM_SPLITS * BH), r % BH, split, SUM_SPLITS, q_ptr, ks_ptr, vs_ptr, bias_ptr, do_ptr,
+                 lse_ptr, delta_ptr, dks_ptr + split.to(tl.int64) * stride_dkss,
+                 dvs_ptr + split.to(tl.int64) * stride_dvss, dbias_ptr + split.to(tl.int64) * stride_dbs,
+                 H, Hkv, G, Nq, Nk, Nc, Nc, D, C, W, q_offset,
                  stride_qb, stride_qh, stride_qm, stride_ksb, stride_ksh, stride_ksn,
                  stride_vsb, stride_vsh, stride_vsn, stride_bb, stride_bh, stride_bc,
                  stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
@@ -226,13 +235,46 @@ def _eva_bwd_kv(
     else:
         # neighbouring programs: neighbouring key tiles of one head, whose query ranges overlap (L2)
         p = pid - n_sum_programs
-        _kv_tile(p % n_key_tiles, p // n_key_tiles, q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr,
+        _kv_tile(p % n_key_tiles, p // n_key_tiles, 0, 1, q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr,
                  dk_ptr, dv_ptr, dbias_ptr, H, Hkv, G, Nq, Nk, Nc, Nk, D, C, W, q_offset,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_bb, stride_bh, stride_bc,
                  stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                  qk_scale, scale, False, SLIDING, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def _eva_bwd_sum_splits(
+    pk_ptr, pv_ptr, pb_ptr, dks_ptr, dvs_ptr, dbias_ptr, R, Hkv, Nc, D: tl.constexpr, SPLITS,
+    stride_dksb, stride_dksh, stride_dksn, stride_dvsb, stride_dvsh, stride_dvsn,
+    HAS_DBIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dk_sum, dv_sum (and d bias) as the in-order sum of SPLITS partials: contiguous fp32
+    [SPLITS, R, D] (and [SPLITS, R]) with rows r = (b * Hkv + hkv) * Nc + c."""
+    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_r < R
+    mask = row_ok[:, None] & (offs_d < D)[None, :]
+    acc_k = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    acc_v = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s in range(0, SPLITS):
+        off = s * R + offs_r
+        acc_k += tl.load(pk_ptr + off[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        acc_v += tl.load(pv_ptr + off[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        if HAS_DBIAS:
+            acc_b += tl.load(pb_ptr + off, mask=row_ok, other=0.0)
+    c = offs_r % Nc
+    bh = offs_r // Nc
+    b = bh // Hkv
+    h = bh % Hkv
+    k_off = b * stride_dksb + h * stride_dksh + c * stride_dksn
+    v_off = b * stride_dvsb + h * stride_dvsh + c * stride_dvsn
+    tl.store(dks_ptr + k_off[:, None] + offs_d[None, :], acc_k.to(dks_ptr.dtype.element_ty), mask=mask)
+    tl.store(dvs_ptr + v_off[:, None] + offs_d[None, :], acc_v.to(dvs_ptr.dtype.element_ty), mask=mask)
+    if HAS_DBIAS:
+        tl.store(dbias_ptr + offs_r, acc_b, mask=row_ok)
 
 
 @triton.jit
@@ -360,6 +402,19 @@ def _block(cfg: dict, name: str) -> int:
     return val
 
 
+def _sum_splits(config: dict, programs: int, longest: int, device: torch.device) -> int:
+    """Pieces per summary tile (config SUM_SPLITS; 0 or absent: automatic). Each early summary tile is
+    seen by nearly all queries: few, long programs. Automatic: enough pieces for ~4 summary programs per
+    multiprocessor, each piece at least 16 query tiles long."""
+    splits = int(config.get("SUM_SPLITS", 0))
+    if splits < 0:
+        raise ValueError(f"config SUM_SPLITS must be >= 0, got {splits}")
+    if splits == 0:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        splits = max(1, min(16, -(-4 * sms // max(programs, 1)), longest // 16))
+    return splits
+
+
 def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum, dbias, *, chunk_size,
            window_size, sliding, scale, q_offset, log_count, config):
     """Fill dq [B, H, Nq, D], dk, dv [B, Hkv, Nk, D], dk_sum, dv_sum [B, Hkv, Nc, D] and, when a tensor
@@ -369,7 +424,8 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv
     do [B, H, Nq, D] and dlse [B, H, Nq] (unit last strides). The gradient tensors may have any
     strides with a unit last stride. config: BLOCK_M, BLOCK_N, num_warps, num_stages of the dK/dV
     kernel (query tiles x key tiles) and BLOCK_M_DQ, BLOCK_N_DQ, num_warps_dq, num_stages_dq of the
-    dQ kernel, all required.
+    dQ kernel, all required; SUM_SPLITS (pieces each summary tile's queries are cut into; 0 or absent:
+    automatic) optional.
     """
     missing = [key for key in CONFIG_KEYS if key not in config]
     if missing:
@@ -409,19 +465,37 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv
     q_strides = (q.stride(0), q.stride(1), q.stride(2))
     tail = ((do.stride(0), do.stride(1), do.stride(2)), (lse.stride(0), lse.stride(1), lse.stride(2)))
     n_sum_tiles, n_key_tiles = triton.cdiv(Nc, bn), triton.cdiv(Nk, bn)
+    splits = _sum_splits(config, n_sum_tiles * B * Hkv, G * triton.cdiv(Nq, bm), q.device) if n_sum_tiles else 1
+    if splits > 1:  # partial sums per piece, fp32 (every element is written)
+        gks = new_output((splits, B, Hkv, Nc, D), torch.float32, q.device)
+        gvs = new_output((splits, B, Hkv, Nc, D), torch.float32, q.device)
+        gb = new_output((splits, B, Hkv, Nc), torch.float32, q.device) if bias is not None else gks
+        split_strides = (gks.stride(0), gvs.stride(0), gb.stride(0))
+    else:
+        gks, gvs, gb = dk_sum, dv_sum, dbias_t
+        split_strides = (0, 0, 0)
     if n_sum_tiles + n_key_tiles > 0:
-        _eva_bwd_kv[((n_sum_tiles + n_key_tiles) * B * Hkv,)](
-            q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dk, dv, dk_sum, dv_sum, dbias_t,
-            *common, D, C, W, q_offset, n_sum_tiles, n_key_tiles,
+        _eva_bwd_kv[((n_sum_tiles * splits + n_key_tiles) * B * Hkv,)](
+            q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dk, dv, gks, gvs, gb,
+            *common, D, C, W, q_offset, n_sum_tiles, n_key_tiles, splits,
             *q_strides, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             k_sum.stride(0), k_sum.stride(1), k_sum.stride(2), v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
             sb[0], sb[1], sb[2], *tail[0], *tail[1],
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            dk_sum.stride(0), dk_sum.stride(1), dk_sum.stride(2), dv_sum.stride(0), dv_sum.stride(1), dv_sum.stride(2),
+            gks.stride(-4), gks.stride(-3), gks.stride(-2), gvs.stride(-4), gvs.stride(-3), gvs.stride(-2),
+            *split_strides,
             qk_scale, float(scale),
             SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, DOT_PREC=dot_prec,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
             num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
+        )
+    if splits > 1:
+        R = B * Hkv * Nc
+        block_r = max(1, min(64, 4096 // block_d))
+        _eva_bwd_sum_splits[(triton.cdiv(R, block_r),)](
+            gks, gvs, gb, dk_sum, dv_sum, dbias_t, R, Hkv, Nc, D, splits,
+            dk_sum.stride(0), dk_sum.stride(1), dk_sum.stride(2), dv_sum.stride(0), dv_sum.stride(1), dv_sum.stride(2),
+            HAS_DBIAS=bias is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
         )
 
     if Nq > 0 and H > 0:
