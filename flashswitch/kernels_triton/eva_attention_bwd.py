@@ -6,16 +6,18 @@ gradients dO and dlse, and delta_t = rowsum(dO_t * O_t) - dlse_t:
     dP = dO V^T,   dS = P * (dP - delta),   dV = P^T dO,   dK = scale dS^T Q,   dQ = scale dS K,
     d bias_c = sum over the query heads of a kv head and over the queries of dS[:, c].
 
-Three kernels, no atomics (two calls give bitwise-equal gradients):
+Kernels, no atomics (two calls give bitwise-equal gradients):
 - `_eva_bwd_delta`: delta, fp32 [B, H, Nq].
 - `_eva_bwd_kv`: one program per (key tile of BLOCK_N exact keys or summaries, batch, kv head), one
-  launch for both kinds (the long summary programs first). It
-  holds its k/v tile and fp32 dK/dV accumulators and walks the G query heads of its kv head and the
-  query tiles (BLOCK_M positions) that see some key of the tile: exact key j is seen by positions
-  [j, last(j)] (last(j) = W floor(j / W) + W - 1 block, C floor(j / C) + C + W - 2 sliding);
-  summary c by every position from first(c) on (W ceil((c + 1) C / W) block, (c + 1) C + W - 1
-  sliding). P is recomputed from lse; tiles that every (key, query) pair of sees run without masks.
-  Keys and summaries nobody sees get zeros. The summary launch also sums d bias per summary.
+  launch for both kinds (the long summary programs first). It holds its k/v tile and fp32 dK/dV
+  accumulators and walks the G query heads of its kv head and the query tiles (BLOCK_M positions)
+  that see some key of the tile, in one flat loop: exact key j is seen by positions [j, last(j)]
+  (last(j) = W floor(j / W) + W - 1 block, C floor(j / C) + C + W - 2 sliding); summary c by every
+  position from first(c) on (W ceil((c + 1) C / W) block, (c + 1) C + W - 1 sliding). P is
+  recomputed from lse; query tiles that see the whole key tile run without masks. Keys and
+  summaries nobody sees get zeros. Summary tiles also sum d bias, and their query walk may be cut
+  into SUM_SPLITS pieces (fp32 partial sums that `_eva_bwd_sum_splits` adds in order): an early
+  summary is seen by nearly every query, so uncut they would be a few programs far longer than the rest.
 - `_eva_bwd_dq`: one program per query tile of one (batch, head), walking the forward's key blocks
   (`_tile_blocks`: summaries, then exact keys; masks only on partly visible blocks).
 
