@@ -83,7 +83,9 @@ class EvaCache:
             if t is not None:
                 C.check_tensor(name, t, ndim=2, device=device)
                 C.check_shape(name, t, (Hkv, D))
-        self.key_weight, self.omega = key_weight, omega
+        # a cache holds no autograd state: it reads the current values of (learnable) centres
+        self.key_weight = None if key_weight is None else key_weight.detach()
+        self.omega = None if omega is None else omega.detach()
         self.log_count = False
         self.user_bias = None
         if isinstance(summary_bias, str):
@@ -114,6 +116,11 @@ class EvaCache:
         """Bytes of the cache's allocation: (S + R + 1) * 2 * D elements per (sequence, kv head), plus
         the [B, Hkv, S + R] fp32 bias and the lengths."""
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.bias, self.lengths))
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing was added since construction or reset() (a host-side count: no sync)."""
+        return self._max_len == 0
 
     @property
     def summaries(self):
