@@ -5,7 +5,7 @@ reference backend, and `from_llama` reproduces a transformers Llama attention la
 transformers is installed)."""
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from conftest import DEVICE, dense_causal, kernel_backends
 from flashswitch.nn import EvaAttention
@@ -13,8 +13,6 @@ from flashswitch.nn.rotary import apply_rotary
 from flashswitch.testing import assert_close
 
 BACKENDS = ["reference"] + kernel_backends()
-with_fixture = settings(suppress_health_check=list(settings().suppress_health_check)
-                        + [HealthCheck.function_scoped_fixture])
 
 
 def make_layer(seed=0, **kw):
@@ -44,13 +42,7 @@ def test_wide_window_is_causal_attention_with_rotary(backend):
     assert_close("y", got, want, torch.float32)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@with_fixture
-@given(window=st.sampled_from(["block", "sliding"]), summaries=st.sampled_from(["mean", "weighted"]),
-       C=st.sampled_from([1, 2, 3]), Wc=st.sampled_from([1, 2]), P=st.integers(0, 9),
-       steps=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=5), ragged=st.booleans(),
-       log_count=st.booleans())
-def test_generation_matches_full_forward(backend, window, summaries, C, Wc, P, steps, ragged, log_count):
+def check_generation(backend, window, summaries, C, Wc, P, steps, ragged, log_count):
     layer = make_layer(window=window, summaries=summaries, chunk_size=C, window_size=C * Wc, backend=backend,
                        summary_bias="log_count" if log_count else None)
     B, N = 2, P + sum(steps)
@@ -70,6 +62,22 @@ def test_generation_matches_full_forward(backend, window, summaries, C, Wc, P, s
             want = layer(seq)
             assert_close(f"y (sequence {b})", torch.cat([got[b:b + 1, :L], got[b:b + 1, P:]], 1), want,
                          torch.float32)
+
+
+@given(window=st.sampled_from(["block", "sliding"]), summaries=st.sampled_from(["mean", "weighted"]),
+       C=st.sampled_from([1, 2, 3]), Wc=st.sampled_from([1, 2]), P=st.integers(0, 9),
+       steps=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=5), ragged=st.booleans(),
+       log_count=st.booleans())
+def test_generation_matches_full_forward(window, summaries, C, Wc, P, steps, ragged, log_count):
+    """Prefill + steps through the layer == the layer's full-sequence forward (reference backend)."""
+    check_generation("reference", window, summaries, C, Wc, P, steps, ragged, log_count)
+
+
+@pytest.mark.parametrize("backend", kernel_backends())
+@pytest.mark.parametrize("window", ["block", "sliding"])
+def test_generation_matches_full_forward_on_kernels(backend, window):
+    """The same through the kernels (the cache tests fuzz them; here one case per window)."""
+    check_generation(backend, window, "weighted", 2, 2, 5, [1, 2, 1], True, True)
 
 
 def test_gradients_reach_every_parameter():
@@ -118,3 +126,39 @@ def test_from_llama_matches_llama_attention():
         assert_close("y", layer(x), want, torch.float32)
         narrow = EvaAttention.from_llama(attn, chunk_size=4, window_size=8, backend="reference")
         assert not torch.allclose(narrow(x), want, atol=1e-3)  # a real EVA layer, not a copy of softmax
+
+
+def _tiny_llama(tf):
+    cfg = tf.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                         num_hidden_layers=2, vocab_size=61, max_position_embeddings=128)
+    torch.manual_seed(1)
+    return tf.LlamaForCausalLM(cfg).to(DEVICE).eval()
+
+
+def test_transformers_llama_runs_and_generates_with_eva():
+    """use_eva + EvaHFCache: generate()'s cached decoding gives the logits of the full-sequence EVA
+    forward at every new position, and with a window covering everything both equal softmax Llama."""
+    tf = pytest.importorskip("transformers")
+    from flashswitch.nn import hf
+    ids = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)  # 0 is padding
+    gen = dict(max_new_tokens=7, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    with torch.no_grad():
+        model = _tiny_llama(tf)
+        exact = model(ids).logits
+        exact_gen = model.generate(ids, **gen)
+        for window, C, W in (("block", 2, 4), ("sliding", 2, 4), ("block", 4, 32)):
+            hf.use_eva(model, chunk_size=C, window_size=W, window=window, summaries="weighted", backend="reference")
+            for m in model.modules():
+                if hasattr(m, "eva_key_weight"):
+                    m.eva_key_weight.normal_(0, 0.3), m.eva_omega.normal_(0, 0.3)
+            cache = hf.EvaHFCache(model.config, max_cache_len=16)
+            out = model.generate(ids, past_key_values=cache, **gen)
+            assert cache.nbytes > 0
+            full = model(out.sequences[:, :-1]).logits[:, ids.shape[1] - 1:]
+            assert_close(f"logits ({window}, W={W})", torch.stack(out.logits, 1), full, torch.float32)
+            if W >= 16:
+                assert_close("prompt logits", model(ids).logits, exact, torch.float32)
+                assert torch.equal(out.sequences, exact_gen.sequences)
+            for m in model.modules():  # the next round adds fresh ones
+                if hasattr(m, "eva_key_weight"):
+                    del m.eva_key_weight, m.eva_omega
