@@ -152,7 +152,7 @@ def test_transformers_llama_runs_and_generates_with_eva():
                 if hasattr(m, "eva_key_weight"):
                     m.eva_key_weight.normal_(0, 0.3), m.eva_omega.normal_(0, 0.3)
             cache = hf.EvaHFCache(model.config, max_cache_len=16)
-            out = model.generate(ids, past_key_values=cache, **gen)
+            out = model.generate(ids, **{hf.cache_kwarg(model): cache}, **gen)
             assert cache.nbytes > 0
             full = model(out.sequences[:, :-1]).logits[:, ids.shape[1] - 1:]
             assert_close(f"logits ({window}, W={W})", torch.stack(out.logits, 1), full, torch.float32)

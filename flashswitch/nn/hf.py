@@ -3,7 +3,7 @@
     from flashswitch.nn import hf
     hf.use_eva(model, chunk_size=16, window_size=256)          # any Llama-style model: EVA attention
     cache = hf.EvaHFCache(model.config, max_cache_len=4096)    # compressed cache, one EvaCache per layer
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=256)
+    out = model.generate(input_ids, **{hf.cache_kwarg(model): cache}, max_new_tokens=256)
 
 `use_eva` registers the attention function "fs_eva" with transformers' AttentionInterface
 and selects it in the model's config (the model's own projections and rotary embedding stay in use).
@@ -13,6 +13,7 @@ prefills or steps. Prompts of one batch must have the same length (no padding ma
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -53,6 +54,12 @@ def eva_attention_forward(module, query, key, value, attention_mask=None, scalin
         o = eva_attention(query, key, value, k_sum, v_sum, chunk_size=s["chunk_size"], window_size=s["window_size"],
                           window=s["window"], scale=scaling, summary_bias=s["summary_bias"], backend=s["backend"])
     return o.transpose(1, 2).contiguous(), None
+
+
+def cache_kwarg(model) -> str:
+    """The keyword a model's forward / generate takes its cache by: "cache" in recent transformers,
+    "past_key_values" before."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def register() -> None:
@@ -164,4 +171,5 @@ class EvaHFCache(Cache):
         return sum(layer.cache.nbytes for layer in self.layers if layer.cache is not None)
 
 
-__all__ = ["ATTN_NAME", "EvaHFCache", "EvaLayerCache", "eva_attention_forward", "register", "use_eva"]
+__all__ = ["ATTN_NAME", "EvaHFCache", "EvaLayerCache", "cache_kwarg", "eva_attention_forward", "register",
+           "use_eva"]
