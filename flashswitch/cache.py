@@ -107,7 +107,6 @@ class EvaCache:
         self._slots = torch.arange(S, device=device)
         self._rows = torch.arange(R, device=device)
         self._chunk = torch.arange(chunk_size, device=device)
-        self._batch = torch.arange(B, device=device)
         self._max_len = 0  # host-side bound on every length (known without a sync)
 
     # ------------------------------------------------------------ state
@@ -227,16 +226,17 @@ class EvaCache:
         idx = rows[:, None, :, None].expand(B, Hkv, Cs, D)
         ks, vs = chunk_summaries(torch.gather(self.k, 2, idx), torch.gather(self.v, 2, idx), Cs, omega=self.omega,
                                  key_weight=self.key_weight, scale=self.scale, backend=self.backend)
-        slot = c_done.clamp(min=0)
-        keep = ~done[:, None, None]
-        self.k[self._batch, :, slot] = torch.where(keep, self.k[self._batch, :, slot], ks[:, :, 0])
-        self.v[self._batch, :, slot] = torch.where(keep, self.v[self._batch, :, slot], vs[:, :, 0])
+        # row writes are gather/scatter along the row dim (per-sequence rows, capturable)
+        slot = c_done.clamp(min=0)[:, None, None, None].expand(B, Hkv, 1, D)
+        keep = ~done[:, None, None, None]
+        self.k.scatter_(2, slot, torch.where(keep, torch.gather(self.k, 2, slot), ks))
+        self.v.scatter_(2, slot, torch.where(keep, torch.gather(self.v, 2, slot), vs))
         # 2. the new token: into its ring row and the exact row
-        ring_row = S + torch.remainder(t, R)
-        self.k[self._batch, :, ring_row] = k[:, :, 0]
-        self.v[self._batch, :, ring_row] = v[:, :, 0]
-        self.k[:, :, S + R] = k[:, :, 0]
-        self.v[:, :, S + R] = v[:, :, 0]
+        ring_row = (S + torch.remainder(t, R))[:, None, None, None].expand(B, Hkv, 1, D)
+        self.k.scatter_(2, ring_row, k)
+        self.v.scatter_(2, ring_row, v)
+        self.k[:, :, S + R:] = k
+        self.v[:, :, S + R:] = v
         # 3. which slots the query at t sees (SPEC op 2): summaries c < start(t) / C, ring positions
         #    [start(t), t) (t itself is the exact row)
         start = window_start(t, Cs, W, self.window)
