@@ -206,6 +206,26 @@ def test_graph_captured_steps_match_eager(backend, window):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["reference"] + [b for b in ("triton", "cuda", "cupy") if b in kernel_backends()])
+def test_steps_do_not_sync(backend):
+    """Single- and multi-token steps never wait for the device (torch's sync debug mode raises)."""
+    B, Hkv, H, D = 2, 2, 4, 64
+    cache = EvaCache(B, Hkv, D, chunk_size=4, window_size=8, window="sliding", max_seq_len=64, dtype=torch.bfloat16,
+                     device="cuda", backend=backend)
+    x = lambda h, n: torch.randn(B, h, n, D, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    cache.prefill(x(H, 9), x(Hkv, 9), x(Hkv, 9), lengths=torch.tensor([9, 4], device="cuda"))
+    cache.step(x(H, 1), x(Hkv, 1), x(Hkv, 1)), cache.step(x(H, 2), x(Hkv, 2), x(Hkv, 2))  # compile first
+    q1, k1, v1, q2, k2, v2 = x(H, 1), x(Hkv, 1), x(Hkv, 1), x(H, 2), x(Hkv, 2), x(Hkv, 2)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cache.step(q1, k1, v1)
+        cache.step(q2, k2, v2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("backend", [b for b in ("triton", "cuda", "cupy") if b in kernel_backends()])
 def test_half_precision_decode_on_gpu(backend, dtype):
