@@ -90,7 +90,8 @@ class EvaCache:
         self.user_bias = None
         if isinstance(summary_bias, str):
             if summary_bias != "log_count":
-                raise ValueError(f"summary_bias must be None, 'log_count' or a [B, Hkv, S] tensor, got {summary_bias!r}")
+                raise ValueError(f"summary_bias must be None, 'log_count' or a [B, Hkv, S] tensor, "
+                                 f"got {summary_bias!r}")
             self.log_count = True
         elif isinstance(summary_bias, torch.Tensor):
             C.check_tensor("summary_bias", summary_bias, ndim=3, dtypes=C.FLOAT_DTYPES + (torch.float64,),

@@ -55,7 +55,8 @@ class EvaAttention(nn.Module):
             raise ValueError(f"summaries must be one of {SUMMARIES}, got {summaries!r}")
         if summary_bias not in (None, "log_count"):
             raise ValueError(f"summary_bias must be None or 'log_count', got {summary_bias!r}")
-        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.chunk_size, self.window_size, self.window = chunk_size, window_size, window
         self.summaries, self.summary_bias, self.backend = summaries, summary_bias, backend
         kw = dict(device=device, dtype=dtype)

@@ -33,7 +33,8 @@ def _eva_settings(config) -> dict:
         return dict(chunk_size=config.eva_chunk_size, window_size=config.eva_window_size, window=config.eva_window,
                     summary_bias=config.eva_summary_bias, backend=config.eva_backend)
     except AttributeError:
-        raise ValueError("the model's config has no EVA settings: call flashswitch.nn.hf.use_eva(model, ...) first") from None
+        raise ValueError("the model's config has no EVA settings: call flashswitch.nn.hf.use_eva(model, ...) "
+                         "first") from None
 
 
 def _centres(module):
