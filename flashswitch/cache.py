@@ -136,7 +136,8 @@ class EvaCache:
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Sequence b takes the state of sequence beam_idx[b] (a [B] int tensor on the cache's device)."""
-        C.check_tensor("beam_idx", beam_idx, ndim=1, dtypes=(torch.int32, torch.int64), device=self.device)
+        C.check_tensor("beam_idx", beam_idx, ndim=1, dtypes=(torch.int32, torch.int64), device=self.device,
+                       last_contiguous=False)
         C.check_shape("beam_idx", beam_idx, (self.batch_size,))
         for t in (self.k, self.v, self.lengths):
             t.copy_(t.index_select(0, beam_idx))

@@ -162,3 +162,17 @@ def test_transformers_llama_runs_and_generates_with_eva():
             for m in model.modules():  # the next round adds fresh ones
                 if hasattr(m, "eva_key_weight"):
                     del m.eva_key_weight, m.eva_omega
+
+
+def test_transformers_beam_search_reorders_the_cache():
+    """Beam search with EvaHFCache (reorder every step) picks the beams of cache-free EVA decoding."""
+    tf = pytest.importorskip("transformers")
+    from flashswitch.nn import hf
+    ids = torch.randint(1, 61, (2, 7), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    gen = dict(max_new_tokens=6, do_sample=False, num_beams=3, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model = hf.use_eva(_tiny_llama(tf), chunk_size=2, window_size=4, window="sliding", backend="reference")
+        want = model.generate(ids, use_cache=False, **gen)
+        cache = hf.EvaHFCache(model.config, max_cache_len=13)
+        got = model.generate(ids, **{hf.cache_kwarg(model): cache}, **gen)
+    assert torch.equal(got, want)
