@@ -301,7 +301,7 @@ def _eva_bwd_triton_space(f: dict) -> list[dict]:
     # kernel keeps four BLOCK_N x D tiles live (k, v, dk, dv), so it wants the wide key side (64 x 128,
     # FlashAttention-2's Hopper choice at D = 128); dQ keeps q, dO, dq: a wide query side (128 x 64).
     # D > 128 halves them. fp32 (IEEE FMA dots) only takes small tiles. num_stages pipelines the
-    # walked tiles' loads. Pairs of (dK/dV, dQ) choices: 8-24 configs per bucket.
+    # walked tiles' loads. Pairs of (dK/dV, dQ) choices: 12-28 configs per bucket.
     fp32 = f["dtype"] == "fp32"
     decode = bool(f.get("decode"))
     if fp32:
@@ -322,6 +322,10 @@ def _eva_bwd_triton_space(f: dict) -> list[dict]:
             continue
         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s,
                     "BLOCK_M_DQ": bm2, "BLOCK_N_DQ": bn2, "num_warps_dq": w2, "num_stages_dq": s})
+    if not fp32 and not decode:
+        # pieces per summary tile (the early summaries are seen by nearly every query: few long programs
+        # unless cut; absent = automatic), on the default tiles
+        out += [{**_eva_bwd_triton_default(f), "SUM_SPLITS": sp} for sp in (1, 2, 4, 8)]
     uniq = []
     for c in out:
         if c not in uniq:
@@ -517,8 +521,10 @@ def _em_bwd_split(f: dict, bm: int, bn: int, bk: int) -> int:
 def _em_bwd_dw(f: dict, bm: int, bn: int, split: int = 0) -> dict:
     fp32 = f["dtype"] == "fp32"
     bk = max(16, min(32 if fp32 else 64, next_pow2(int(_em_facts(f)["per_expert"]))))
+    # fp32: the IEEE dot of a transposed 64 x 64 tile takes 255 registers with 4 warps, 169 with 8 (sm_90, ptxas)
+    warps = 8 if bm * bn >= (4096 if fp32 else 16384) else 4
     return {"DW_BLOCK_M": bm, "DW_BLOCK_N": bn, "DW_BLOCK_K": bk, "SPLIT_K": split or _em_bwd_split(f, bm, bn, bk),
-            "DW_num_warps": 8 if bm * bn >= 16384 else 4, "DW_num_stages": 3}
+            "DW_num_warps": warps, "DW_num_stages": 3}
 
 
 def _em_bwd_tiles(f: dict) -> tuple[int, int, int]:

@@ -6,15 +6,18 @@ gradients dO and dlse, and delta_t = rowsum(dO_t * O_t) - dlse_t:
     dP = dO V^T,   dS = P * (dP - delta),   dV = P^T dO,   dK = scale dS^T Q,   dQ = scale dS K,
     d bias_c = sum over the query heads of a kv head and over the queries of dS[:, c].
 
-Three kernels, no atomics (two calls give bitwise-equal gradients):
+Kernels, no atomics (two calls give bitwise-equal gradients):
 - `_eva_bwd_delta`: delta, fp32 [B, H, Nq].
-- `_eva_bwd_kv`: one program per (key tile of BLOCK_N exact keys or summaries, batch, kv head). It
-  holds its k/v tile and fp32 dK/dV accumulators and walks the G query heads of its kv head and the
-  query tiles (BLOCK_M positions) that see some key of the tile: exact key j is seen by positions
-  [j, last(j)] (last(j) = W floor(j / W) + W - 1 block, C floor(j / C) + C + W - 2 sliding);
-  summary c by every position from first(c) on (W ceil((c + 1) C / W) block, (c + 1) C + W - 1
-  sliding). P is recomputed from lse; tiles that every (key, query) pair of sees run without masks.
-  Keys and summaries nobody sees get zeros. The summary launch also sums d bias per summary.
+- `_eva_bwd_kv`: one program per (key tile of BLOCK_N exact keys or summaries, batch, kv head), one
+  launch for both kinds (the long summary programs first). It holds its k/v tile and fp32 dK/dV
+  accumulators and walks the G query heads of its kv head and the query tiles (BLOCK_M positions)
+  that see some key of the tile, in one flat loop: exact key j is seen by positions [j, last(j)]
+  (last(j) = W floor(j / W) + W - 1 block, C floor(j / C) + C + W - 2 sliding); summary c by every
+  position from first(c) on (W ceil((c + 1) C / W) block, (c + 1) C + W - 1 sliding). P is
+  recomputed from lse; query tiles that see the whole key tile run without masks. Keys and
+  summaries nobody sees get zeros. Summary tiles also sum d bias, and their query walk may be cut
+  into SUM_SPLITS pieces (fp32 partial sums that `_eva_bwd_sum_splits` adds in order): an early
+  summary is seen by nearly every query, so uncut they would be a few programs far longer than the rest.
 - `_eva_bwd_dq`: one program per query tile of one (batch, head), walking the forward's key blocks
   (`_tile_blocks`: summaries, then exact keys; masks only on partly visible blocks).
 
@@ -84,9 +87,9 @@ def _last_seer(j, C, W, SLIDING: tl.constexpr):
 
 
 @triton.jit
-def _eva_bwd_kv(
-    q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dbias_ptr,
-    H, Hkv, G, Nq, Nk, Nc, N, D: tl.constexpr, C, W, q_offset,
+def _kv_tile(
+    pid_n, pid_bh, split, n_splits, q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    dbias_ptr, H, Hkv, G, Nq, Nk, Nc, N, D: tl.constexpr, C, W, q_offset,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -99,10 +102,10 @@ def _eva_bwd_kv(
     SUMMARY: tl.constexpr, SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """dK, dV of one tile of N keys (exact keys, or with SUMMARY the summaries: k_ptr/v_ptr are then
-    k_sum/v_sum and N = Nc) of one (batch, kv head); with SUMMARY and a tensor bias also d bias."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """dK, dV of key tile pid_n of N keys (exact keys, or with SUMMARY the summaries: k_ptr/v_ptr are then
+    k_sum/v_sum and N = Nc) of (batch, kv head) pid_bh; with SUMMARY and a tensor bias also d bias. The
+    (query head, query tile) pairs that see the tile are cut into n_splits pieces; this one sums piece
+    `split` (its caller points the gradients at that piece's partial sums)."""
     b = (pid_bh // Hkv).to(tl.int64)
     hkv = (pid_bh % Hkv).to(tl.int64)
     n0 = pid_n * BLOCK_N
@@ -142,45 +145,44 @@ def _eva_bwd_kv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dbias = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for g in range(0, G):
-        h = hkv * G + g
+    # one flat loop over (query head of the group, query tile): a single software pipeline
+    for it in range(split * (G * n_tiles) // n_splits, (split + 1) * (G * n_tiles) // n_splits):
+        h = hkv * G + it // n_tiles
         q_base = q_ptr + b * stride_qb + h * stride_qh
         do_base = do_ptr + b * stride_dob + h * stride_doh
         lse_base = lse_ptr + b * stride_lb + h * stride_lh
         delta_base = delta_ptr + (b * H + h) * Nq
-        for mt in range(0, n_tiles):
-            m0 = t_lo + mt * BLOCK_M
-            t_row = m0 + offs_m
-            row_ok = t_row <= t_hi
-            i_row = (t_row - q_offset).to(tl.int64)
-            lmask = row_ok[:, None] & mask_d[None, :]
-            q = tl.load(q_base + i_row[:, None] * stride_qm + offs_d[None, :], mask=lmask, other=0.0)
-            do = tl.load(do_base + i_row[:, None] * stride_dom + offs_d[None, :], mask=lmask, other=0.0)
-            lse2 = tl.load(lse_base + i_row * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(delta_base + i_row, mask=row_ok, other=0.0)
+        m0 = t_lo + (it % n_tiles) * BLOCK_M
+        t_row = m0 + offs_m
+        row_ok = t_row <= t_hi
+        i_row = (t_row - q_offset).to(tl.int64)
+        lmask = row_ok[:, None] & mask_d[None, :]
+        q = tl.load(q_base + i_row[:, None] * stride_qm + offs_d[None, :], mask=lmask, other=0.0)
+        do = tl.load(do_base + i_row[:, None] * stride_dom + offs_d[None, :], mask=lmask, other=0.0)
+        lse2 = tl.load(lse_base + i_row * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(delta_base + i_row, mask=row_ok, other=0.0)
 
-            sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale   # [BLOCK_N, BLOCK_M], base 2
-            if SUMMARY and BIAS_MODE != 0:
-                sT += bias2[:, None]
-            full = (m0 >= t_full) & (m0 + BLOCK_M - 1 <= t_full_end)
-            if full:
-                pT = tl.exp2(sT - lse2[None, :])
-                dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-                dsT = pT * (dpT - delta[None, :])
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale   # [BLOCK_N, BLOCK_M], base 2
+        if SUMMARY and BIAS_MODE != 0:
+            sT += bias2[:, None]
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        full = (m0 >= t_full) & (m0 + BLOCK_M - 1 <= t_full_end)
+        if full:
+            pT = tl.exp2(sT - lse2[None, :])
+            dsT = pT * (dpT - delta[None, :])
+        else:
+            if SUMMARY:
+                sc_row = tl.minimum(_start(t_row, C, W, SLIDING) // C, Nc)
+                vis = (offs_n[:, None] < sc_row[None, :]) & row_ok[None, :]
             else:
-                if SUMMARY:
-                    sc_row = tl.minimum(_start(t_row, C, W, SLIDING) // C, Nc)
-                    vis = (offs_n[:, None] < sc_row[None, :]) & row_ok[None, :]
-                else:
-                    st_row = _start(t_row, C, W, SLIDING)
-                    vis = (offs_n[:, None] >= st_row[None, :]) & (offs_n[:, None] <= t_row[None, :]) & row_ok[None, :]
-                pT = tl.exp2(tl.where(vis, sT, float("-inf")) - lse2[None, :])
-                dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-                dsT = tl.where(vis, pT * (dpT - delta[None, :]), 0.0)
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
-            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
-            if SUMMARY and BIAS_MODE == 1:
-                dbias += tl.sum(dsT, axis=1)
+                st_row = _start(t_row, C, W, SLIDING)
+                vis = (offs_n[:, None] >= st_row[None, :]) & (offs_n[:, None] <= t_row[None, :]) & row_ok[None, :]
+            pT = tl.exp2(tl.where(vis, sT, float("-inf")) - lse2[None, :])
+            dsT = tl.where(vis, pT * (dpT - delta[None, :]), 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        if SUMMARY and BIAS_MODE == 1:
+            dbias += tl.sum(dsT, axis=1)
 
     nmask = (offs_n < N)[:, None] & mask_d[None, :]
     dk_ptrs = dk_ptr + b * stride_dkb + hkv * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :]
@@ -189,6 +191,92 @@ def _eva_bwd_kv(
     tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=nmask)
     if SUMMARY and BIAS_MODE == 1:  # dbias is contiguous fp32 [B, Hkv, Nc]
         tl.store(dbias_ptr + (b * Hkv + hkv) * N + offs_n, dbias, mask=offs_n < N)
+
+
+@triton.jit
+def _eva_bwd_kv(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dks_ptr, dvs_ptr,
+    dbias_ptr, H, Hkv, G, Nq, Nk, Nc, D: tl.constexpr, C, W, q_offset, n_sum_tiles, n_key_tiles, SUM_SPLITS,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vsb, stride_vsh, stride_vsn,
+    stride_bb, stride_bh, stride_bc,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_dksb, stride_dksh, stride_dksn,
+    stride_dvsb, stride_dvsh, stride_dvsn,
+    stride_dkss, stride_dvss, stride_dbs,
+    qk_scale, scale,
+    SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One launch for summary tiles then exact-key tiles. Summary tile c0 is seen by every query from
+    first(c0) on, so the early summaries are the longest programs: they come first, tile-major over the
+    (batch, kv head)s, and the many short exact-key programs fill in behind them. With SUM_SPLITS > 1
+    each summary tile's queries are cut into that many pieces, whose partial sums (fp32, one slice per
+    piece: dks/dvs/dbias then point at scratch) `_eva_bwd_sum_splits` adds up in order."""
+    pid = tl.program_id(0)
+    BH = tl.num_programs(0) // (n_sum_tiles * SUM_SPLITS + n_key_tiles)
+    n_sum_programs = n_sum_tiles * SUM_SPLITS * BH
+    if pid < n_sum_programs:
+        r = pid % (SUM_SPLITS * BH)
+        split = r // BH
+        _kv_tile(pid // (SUM_SPLITS * BH), r % BH, split, SUM_SPLITS, q_ptr, ks_ptr, vs_ptr, bias_ptr, do_ptr,
+                 lse_ptr, delta_ptr, dks_ptr + split.to(tl.int64) * stride_dkss,
+                 dvs_ptr + split.to(tl.int64) * stride_dvss, dbias_ptr + split.to(tl.int64) * stride_dbs,
+                 H, Hkv, G, Nq, Nk, Nc, Nc, D, C, W, q_offset,
+                 stride_qb, stride_qh, stride_qm, stride_ksb, stride_ksh, stride_ksn,
+                 stride_vsb, stride_vsh, stride_vsn, stride_bb, stride_bh, stride_bc,
+                 stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
+                 stride_dksb, stride_dksh, stride_dksn, stride_dvsb, stride_dvsh, stride_dvsn,
+                 qk_scale, scale, True, SLIDING, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_D)
+    else:
+        # neighbouring programs: neighbouring key tiles of one head, whose query ranges overlap (L2)
+        p = pid - n_sum_programs
+        _kv_tile(p % n_key_tiles, p // n_key_tiles, 0, 1, q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr,
+                 dk_ptr, dv_ptr, dbias_ptr, H, Hkv, G, Nq, Nk, Nc, Nk, D, C, W, q_offset,
+                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, stride_bb, stride_bh, stride_bc,
+                 stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
+                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                 qk_scale, scale, False, SLIDING, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def _eva_bwd_sum_splits(
+    pk_ptr, pv_ptr, pb_ptr, dks_ptr, dvs_ptr, dbias_ptr, R, Hkv, Nc, D: tl.constexpr, SPLITS,
+    stride_dksb, stride_dksh, stride_dksn, stride_dvsb, stride_dvsh, stride_dvsn,
+    HAS_DBIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dk_sum, dv_sum (and d bias) as the in-order sum of SPLITS partials: contiguous fp32
+    [SPLITS, R, D] (and [SPLITS, R]) with rows r = (b * Hkv + hkv) * Nc + c."""
+    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_r < R
+    mask = row_ok[:, None] & (offs_d < D)[None, :]
+    acc_k = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    acc_v = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s in range(0, SPLITS):
+        off = s * R + offs_r
+        acc_k += tl.load(pk_ptr + off[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        acc_v += tl.load(pv_ptr + off[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        if HAS_DBIAS:
+            acc_b += tl.load(pb_ptr + off, mask=row_ok, other=0.0)
+    c = offs_r % Nc
+    bh = offs_r // Nc
+    b = bh // Hkv
+    h = bh % Hkv
+    k_off = b * stride_dksb + h * stride_dksh + c * stride_dksn
+    v_off = b * stride_dvsb + h * stride_dvsh + c * stride_dvsn
+    tl.store(dks_ptr + k_off[:, None] + offs_d[None, :], acc_k.to(dks_ptr.dtype.element_ty), mask=mask)
+    tl.store(dvs_ptr + v_off[:, None] + offs_d[None, :], acc_v.to(dvs_ptr.dtype.element_ty), mask=mask)
+    if HAS_DBIAS:
+        tl.store(dbias_ptr + offs_r, acc_b, mask=row_ok)
 
 
 @triton.jit
@@ -316,6 +404,19 @@ def _block(cfg: dict, name: str) -> int:
     return val
 
 
+def _sum_splits(config: dict, programs: int, longest: int, device: torch.device) -> int:
+    """Pieces per summary tile (config SUM_SPLITS; 0 or absent: automatic). Each early summary tile is
+    seen by nearly all queries: few, long programs. Automatic: enough pieces for ~4 summary programs per
+    multiprocessor, each piece at least 16 query tiles long."""
+    splits = int(config.get("SUM_SPLITS", 0))
+    if splits < 0:
+        raise ValueError(f"config SUM_SPLITS must be >= 0, got {splits}")
+    if splits == 0:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        splits = max(1, min(16, -(-4 * sms // max(programs, 1)), longest // 16))
+    return splits
+
+
 def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum, dbias, *, chunk_size,
            window_size, sliding, scale, q_offset, log_count, config):
     """Fill dq [B, H, Nq, D], dk, dv [B, Hkv, Nk, D], dk_sum, dv_sum [B, Hkv, Nc, D] and, when a tensor
@@ -325,7 +426,8 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv
     do [B, H, Nq, D] and dlse [B, H, Nq] (unit last strides). The gradient tensors may have any
     strides with a unit last stride. config: BLOCK_M, BLOCK_N, num_warps, num_stages of the dK/dV
     kernel (query tiles x key tiles) and BLOCK_M_DQ, BLOCK_N_DQ, num_warps_dq, num_stages_dq of the
-    dQ kernel, all required.
+    dQ kernel, all required; SUM_SPLITS (pieces each summary tile's queries are cut into; 0 or absent:
+    automatic) optional.
     """
     missing = [key for key in CONFIG_KEYS if key not in config]
     if missing:
@@ -364,19 +466,38 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv
     common = (H, Hkv, G, Nq, Nk, Nc)
     q_strides = (q.stride(0), q.stride(1), q.stride(2))
     tail = ((do.stride(0), do.stride(1), do.stride(2)), (lse.stride(0), lse.stride(1), lse.stride(2)))
-    for summary, kk, vv, gk, gv, n in ((False, k, v, dk, dv, Nk), (True, k_sum, v_sum, dk_sum, dv_sum, Nc)):
-        if n == 0:
-            continue
-        _eva_bwd_kv[(triton.cdiv(n, bn), B * Hkv)](
-            q, kk, vv, bias_t, do, lse, delta, gk, gv, dbias_t,
-            *common, n, D, C, W, q_offset,
-            *q_strides, kk.stride(0), kk.stride(1), kk.stride(2), vv.stride(0), vv.stride(1), vv.stride(2),
+    n_sum_tiles, n_key_tiles = triton.cdiv(Nc, bn), triton.cdiv(Nk, bn)
+    splits = _sum_splits(config, n_sum_tiles * B * Hkv, G * triton.cdiv(Nq, bm), q.device) if n_sum_tiles else 1
+    if splits > 1:  # partial sums per piece, fp32 (every element is written)
+        gks = new_output((splits, B, Hkv, Nc, D), torch.float32, q.device)
+        gvs = new_output((splits, B, Hkv, Nc, D), torch.float32, q.device)
+        gb = new_output((splits, B, Hkv, Nc), torch.float32, q.device) if bias is not None else gks
+        split_strides = (gks.stride(0), gvs.stride(0), gb.stride(0))
+    else:
+        gks, gvs, gb = dk_sum, dv_sum, dbias_t
+        split_strides = (0, 0, 0)
+    if n_sum_tiles + n_key_tiles > 0:
+        _eva_bwd_kv[((n_sum_tiles * splits + n_key_tiles) * B * Hkv,)](
+            q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dk, dv, gks, gvs, gb,
+            *common, D, C, W, q_offset, n_sum_tiles, n_key_tiles, splits,
+            *q_strides, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            k_sum.stride(0), k_sum.stride(1), k_sum.stride(2), v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
             sb[0], sb[1], sb[2], *tail[0], *tail[1],
-            gk.stride(0), gk.stride(1), gk.stride(2), gv.stride(0), gv.stride(1), gv.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            gks.stride(-4), gks.stride(-3), gks.stride(-2), gvs.stride(-4), gvs.stride(-3), gvs.stride(-2),
+            *split_strides,
             qk_scale, float(scale),
-            SUMMARY=summary, SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, DOT_PREC=dot_prec,
+            SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, DOT_PREC=dot_prec,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
             num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
+        )
+    if splits > 1:
+        R = B * Hkv * Nc
+        block_r = max(1, min(64, 4096 // block_d))
+        _eva_bwd_sum_splits[(triton.cdiv(R, block_r),)](
+            gks, gvs, gb, dk_sum, dv_sum, dbias_t, R, Hkv, Nc, D, splits,
+            dk_sum.stride(0), dk_sum.stride(1), dk_sum.stride(2), dv_sum.stride(0), dv_sum.stride(1), dv_sum.stride(2),
+            HAS_DBIAS=bias is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
         )
 
     if Nq > 0 and H > 0:

@@ -1,0 +1,38 @@
+"""Rotary position embedding (the Llama / GPT-NeoX convention: rotate the two halves of each head)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, n, D] rotated by cos, sin ([B or 1, 1, n, D], fp32); fp32 math, x's dtype out."""
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+class Rotary(torch.nn.Module):
+    """cos/sin tables computed from positions on the fly (positions may live on the device, so a
+    decode step needs no host value): inv_freq[i] = base ** (-2i / D)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0, inv_freq: Optional[torch.Tensor] = None, device=None):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        if inv_freq is None:
+            inv_freq = base ** -(torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+        self.register_buffer("inv_freq", inv_freq.detach().to(torch.float32).clone(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor):
+        """positions: [n] or [B, n] integers -> (cos, sin) [1 or B, 1, n, D] fp32."""
+        if positions.dim() == 1:
+            positions = positions[None]
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos(), emb.sin()

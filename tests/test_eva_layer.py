@@ -1,0 +1,178 @@
+"""flashswitch.nn.EvaAttention: the full-sequence forward is EVA (exact causal attention when the
+window covers the sequence), generation through an EvaCache (prefill + single- and multi-token steps)
+reproduces the full-sequence forward at every position, gradients reach every parameter on the
+reference backend, and `from_llama` reproduces a transformers Llama attention layer (where
+transformers is installed)."""
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from conftest import DEVICE, dense_causal, kernel_backends
+from flashswitch.nn import EvaAttention
+from flashswitch.nn.rotary import apply_rotary
+from flashswitch.testing import assert_close
+
+BACKENDS = ["reference"] + kernel_backends()
+
+
+def make_layer(seed=0, **kw):
+    torch.manual_seed(seed)
+    layer = EvaAttention(**{**dict(hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=6, chunk_size=2,
+                                   window_size=4), **kw}).to(DEVICE)
+    if layer.key_weight is not None:  # learnt centres, not the zero start
+        with torch.no_grad():
+            layer.key_weight.normal_(0, 0.5), layer.omega.normal_(0, 0.5)
+    return layer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wide_window_is_causal_attention_with_rotary(backend):
+    """W >= N: EVA is exact causal softmax attention of the rotated q, k (fp64 check of the wiring)."""
+    layer = make_layer(window_size=16, chunk_size=4, backend=backend)
+    x = torch.randn(2, 13, 24, device=DEVICE)
+    with torch.no_grad():
+        got = layer(x)
+        B, N = x.shape[:2]
+        q = layer.q_proj(x).view(B, N, 4, 6).transpose(1, 2)
+        k = layer.k_proj(x).view(B, N, 2, 6).transpose(1, 2)
+        v = layer.v_proj(x).view(B, N, 2, 6).transpose(1, 2)
+        cos, sin = layer.rotary.cos_sin(torch.arange(N, device=DEVICE))
+        o = dense_causal(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)[0]
+        want = layer.o_proj.to(torch.float64)(o.transpose(1, 2).reshape(B, N, 24))
+    assert_close("y", got, want, torch.float32)
+
+
+def check_generation(backend, window, summaries, C, Wc, P, steps, ragged, log_count):
+    layer = make_layer(window=window, summaries=summaries, chunk_size=C, window_size=C * Wc, backend=backend,
+                       summary_bias="log_count" if log_count else None)
+    B, N = 2, P + sum(steps)
+    x = torch.randn(B, N, 24, device=DEVICE)
+    lengths = torch.tensor([P, P // 2] if ragged else [P, P])
+    with torch.no_grad():
+        cache = layer.new_cache(B, N)
+        outs = [layer(x[:, :P], cache, lengths=lengths.to(DEVICE) if ragged else None)]
+        at = P
+        for n in steps:
+            outs.append(layer(x[:, at:at + n], cache))
+            at += n
+        got = torch.cat(outs, 1)
+        for b in range(B):
+            L = int(lengths[b])
+            seq = torch.cat([x[b:b + 1, :L], x[b:b + 1, P:]], 1)
+            want = layer(seq)
+            assert_close(f"y (sequence {b})", torch.cat([got[b:b + 1, :L], got[b:b + 1, P:]], 1), want,
+                         torch.float32)
+
+
+@given(window=st.sampled_from(["block", "sliding"]), summaries=st.sampled_from(["mean", "weighted"]),
+       C=st.sampled_from([1, 2, 3]), Wc=st.sampled_from([1, 2]), P=st.integers(0, 9),
+       steps=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=5), ragged=st.booleans(),
+       log_count=st.booleans())
+def test_generation_matches_full_forward(window, summaries, C, Wc, P, steps, ragged, log_count):
+    """Prefill + steps through the layer == the layer's full-sequence forward (reference backend)."""
+    check_generation("reference", window, summaries, C, Wc, P, steps, ragged, log_count)
+
+
+@pytest.mark.parametrize("backend", kernel_backends())
+@pytest.mark.parametrize("window", ["block", "sliding"])
+def test_generation_matches_full_forward_on_kernels(backend, window):
+    """The same through the kernels (the cache tests fuzz them; here one case per window)."""
+    check_generation(backend, window, "weighted", 2, 2, 5, [1, 2, 1], True, True)
+
+
+def test_gradients_reach_every_parameter():
+    layer = make_layer(summaries="weighted", window_size=2, chunk_size=2, backend="reference")
+    x = torch.randn(2, 11, 24, device=DEVICE, requires_grad=True)
+    layer(x).square().sum().backward()
+    for name, p in list(layer.named_parameters()) + [("x", x)]:
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_bad_arguments():
+    kw = dict(hidden_size=8, num_heads=2, chunk_size=2, window_size=4)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        EvaAttention(**{**kw, "num_kv_heads": 3})
+    with pytest.raises(ValueError, match="window_size"):
+        EvaAttention(**{**kw, "window_size": 3})
+    with pytest.raises(ValueError, match="summaries"):
+        EvaAttention(**kw, summaries="max")
+    with pytest.raises(ValueError, match="rotary"):
+        EvaAttention(**kw, head_dim=3)
+    layer = EvaAttention(**kw)
+    with pytest.raises(ValueError, match="hidden_size"):
+        layer(torch.randn(1, 3, 5))
+    with pytest.raises(ValueError, match="lengths"):
+        layer(torch.randn(1, 3, 8), lengths=torch.tensor([2]))
+
+
+# ---------------------------------------------------------------- transformers (optional)
+def test_from_llama_matches_llama_attention():
+    """With the window covering the sequence, the copied layer equals transformers' own Llama layer."""
+    tf = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama as ml
+    cfg = tf.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                         num_hidden_layers=1, vocab_size=50, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    attn = ml.LlamaAttention(cfg, layer_idx=0).to(DEVICE)
+    rope = ml.LlamaRotaryEmbedding(cfg).to(DEVICE)
+    x = torch.randn(2, 17, 32, device=DEVICE)
+    pos = torch.arange(17, device=DEVICE)[None].expand(2, -1)
+    mask = torch.full((17, 17), float("-inf"), device=DEVICE).triu(1)[None, None]
+    with torch.no_grad():
+        want = attn(x, position_embeddings=rope(x, pos), attention_mask=mask)[0]
+        layer = EvaAttention.from_llama(attn, chunk_size=4, window_size=32, inv_freq=rope.inv_freq,
+                                        backend="reference")
+        assert_close("y", layer(x), want, torch.float32)
+        narrow = EvaAttention.from_llama(attn, chunk_size=4, window_size=8, backend="reference")
+        assert not torch.allclose(narrow(x), want, atol=1e-3)  # a real EVA layer, not a copy of softmax
+
+
+def _tiny_llama(tf):
+    cfg = tf.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                         num_hidden_layers=2, vocab_size=61, max_position_embeddings=128)
+    torch.manual_seed(1)
+    return tf.LlamaForCausalLM(cfg).to(DEVICE).eval()
+
+
+def test_transformers_llama_runs_and_generates_with_eva():
+    """use_eva + EvaHFCache: generate()'s cached decoding gives the logits of the full-sequence EVA
+    forward at every new position, and with a window covering everything both equal softmax Llama."""
+    tf = pytest.importorskip("transformers")
+    from flashswitch.nn import hf
+    ids = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)  # 0 is padding
+    gen = dict(max_new_tokens=7, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    with torch.no_grad():
+        model = _tiny_llama(tf)
+        exact = model(ids).logits
+        exact_gen = model.generate(ids, **gen)
+        for window, C, W in (("block", 2, 4), ("sliding", 2, 4), ("block", 4, 32)):
+            hf.use_eva(model, chunk_size=C, window_size=W, window=window, summaries="weighted", backend="reference")
+            for m in model.modules():
+                if hasattr(m, "eva_key_weight"):
+                    m.eva_key_weight.normal_(0, 0.3), m.eva_omega.normal_(0, 0.3)
+            cache = hf.EvaHFCache(model.config, max_cache_len=16)
+            out = model.generate(ids, **{hf.cache_kwarg(model): cache}, **gen)
+            assert cache.nbytes > 0
+            full = model(out.sequences[:, :-1]).logits[:, ids.shape[1] - 1:]
+            assert_close(f"logits ({window}, W={W})", torch.stack(out.logits, 1), full, torch.float32)
+            if W >= 16:
+                assert_close("prompt logits", model(ids).logits, exact, torch.float32)
+                assert torch.equal(out.sequences, exact_gen.sequences)
+            for m in model.modules():  # the next round adds fresh ones
+                if hasattr(m, "eva_key_weight"):
+                    del m.eva_key_weight, m.eva_omega
+
+
+def test_transformers_beam_search_reorders_the_cache():
+    """Beam search with EvaHFCache (reorder every step) picks the beams of cache-free EVA decoding."""
+    tf = pytest.importorskip("transformers")
+    from flashswitch.nn import hf
+    ids = torch.randint(1, 61, (2, 7), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    gen = dict(max_new_tokens=6, do_sample=False, num_beams=3, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model = hf.use_eva(_tiny_llama(tf), chunk_size=2, window_size=4, window="sliding", backend="reference")
+        want = model.generate(ids, use_cache=False, **gen)
+        cache = hf.EvaHFCache(model.config, max_cache_len=13)
+        got = model.generate(ids, **{hf.cache_kwarg(model): cache}, **gen)
+    assert torch.equal(got, want)
