@@ -69,12 +69,15 @@ def _recording(modules):
 
 
 def _kernel_modules(op: str) -> list:
-    """The op's Triton kernel module and, where there is one, its Gluon module."""
-    out = [importlib.import_module(f"flashswitch.kernels_triton.{op}")]
-    try:
-        out.append(importlib.import_module(f"flashswitch.kernels_triton.{op}_gluon"))
-    except ImportError:
-        pass
+    """The op's Triton kernel modules: forward, Gluon where there is one, and for a backward entry
+    (`<op>.bwd`, whose call runs the forward too) the backward's."""
+    base = op.split(".")[0]
+    out = [importlib.import_module(f"flashswitch.kernels_triton.{base}")]
+    for suffix in ("_gluon",) + (("_bwd",) if op.endswith(".bwd") else ()):
+        try:
+            out.append(importlib.import_module(f"flashswitch.kernels_triton.{base}{suffix}"))
+        except ImportError:
+            pass
     return out
 
 

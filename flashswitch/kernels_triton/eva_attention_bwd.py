@@ -14,7 +14,7 @@ Kernels, no atomics (two calls give bitwise-equal gradients):
   that see some key of the tile, in one flat loop: exact key j is seen by positions [j, last(j)]
   (last(j) = W floor(j / W) + W - 1 block, C floor(j / C) + C + W - 2 sliding); summary c by every
   position from first(c) on (W ceil((c + 1) C / W) block, (c + 1) C + W - 1 sliding). P is
-  recomputed from lse; query tiles that see the whole key tile run without masks. Keys and
+  recomputed from lse, every tile masked per element (see the loop). Keys and
   summaries nobody sees get zeros. Summary tiles also sum d bias, and their query walk may be cut
   into SUM_SPLITS pieces (fp32 partial sums that `_eva_bwd_sum_splits` adds in order): an early
   summary is seen by nearly every query, so uncut they would be a few programs far longer than the rest.
@@ -120,14 +120,11 @@ def _kv_tile(
     v_ptrs = v_ptr + b * stride_vb + hkv * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :]
     k, v = _load_kv(k_ptrs, v_ptrs, offs_n, N, mask_d, EVEN_D)
 
-    # the positions that see some key of the tile: [t_lo, t_hi]; a query tile [m0, m0 + BLOCK_M) sees all
-    # of it when m0 >= t_full and m0 + BLOCK_M - 1 <= t_hi
+    # the positions that see some key of the tile: [t_lo, t_hi]
     n_last = n0 + BLOCK_N - 1
     if SUMMARY:
         t_lo = tl.maximum(_first_seer(n0, C, W, SLIDING), q_offset)
         t_hi = t_last
-        t_full = tl.where(n_last < N, _first_seer(n_last, C, W, SLIDING), t_last + 1)
-        t_full_end = t_last
         if BIAS_MODE == 1:
             bias = tl.load(bias_ptr + b * stride_bb + hkv * stride_bh + offs_n.to(tl.int64) * stride_bc,
                            mask=offs_n < N, other=0.0).to(tl.float32)
@@ -138,8 +135,6 @@ def _kv_tile(
     else:
         t_lo = tl.maximum(n0, q_offset)
         t_hi = tl.minimum(_last_seer(tl.minimum(n_last, N - 1), C, W, SLIDING), t_last)
-        t_full = n_last
-        t_full_end = tl.minimum(_last_seer(n0, C, W, SLIDING), t_hi)  # start(t) <= n0 up to here
     n_tiles = tl.cdiv(tl.maximum(t_hi - t_lo + 1, 0), BLOCK_M)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -166,19 +161,16 @@ def _kv_tile(
         if SUMMARY and BIAS_MODE != 0:
             sT += bias2[:, None]
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        full = (m0 >= t_full) & (m0 + BLOCK_M - 1 <= t_full_end)
-        if full:
-            pT = tl.exp2(sT - lse2[None, :])
-            dsT = pT * (dpT - delta[None, :])
+        # every tile takes the per-element mask: a branch on a tile being fully visible, with tensor
+        # values on both sides, makes Triton 3.6's software pipeliner fail (or miscompile) this loop
+        if SUMMARY:
+            sc_row = tl.minimum(_start(t_row, C, W, SLIDING) // C, Nc)
+            vis = (offs_n[:, None] < sc_row[None, :]) & row_ok[None, :]
         else:
-            if SUMMARY:
-                sc_row = tl.minimum(_start(t_row, C, W, SLIDING) // C, Nc)
-                vis = (offs_n[:, None] < sc_row[None, :]) & row_ok[None, :]
-            else:
-                st_row = _start(t_row, C, W, SLIDING)
-                vis = (offs_n[:, None] >= st_row[None, :]) & (offs_n[:, None] <= t_row[None, :]) & row_ok[None, :]
-            pT = tl.exp2(tl.where(vis, sT, float("-inf")) - lse2[None, :])
-            dsT = tl.where(vis, pT * (dpT - delta[None, :]), 0.0)
+            st_row = _start(t_row, C, W, SLIDING)
+            vis = (offs_n[:, None] >= st_row[None, :]) & (offs_n[:, None] <= t_row[None, :]) & row_ok[None, :]
+        pT = tl.exp2(tl.where(vis, sT, float("-inf")) - lse2[None, :])
+        dsT = tl.where(vis, pT * (dpT - delta[None, :]), 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
         if SUMMARY and BIAS_MODE == 1:
