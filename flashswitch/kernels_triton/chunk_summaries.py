@@ -213,7 +213,7 @@ def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, sca
     BLOCK_CHUNKS, optional BLOCK_J, num_warps, num_stages (missing keys take the heuristic default).
     """
     B, H, N, D = k.shape
-    C = int(chunk_size)
+    C = min(int(chunk_size), max(N, 1))  # a chunk longer than N holds tokens [0, N): loop over those only
     Nc = k_sum.shape[2]
     if B * H * Nc == 0 or D == 0:
         return

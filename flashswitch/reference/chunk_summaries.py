@@ -52,8 +52,8 @@ def torch_chunk_summaries(k, v, chunk_size, *, omega=None, key_weight=None, vali
                           return_lse=False):
     """Vectorized reference: fp32 math (fp64 for fp64 inputs), outputs in the input dtype."""
     B, H, N, D = k.shape
-    C = chunk_size
-    Nc = -(-N // C)
+    Nc = -(-N // chunk_size)
+    C = min(chunk_size, max(N, 1))  # a chunk longer than N holds tokens [0, N): pad to that, not to C
     s = (D ** -0.5 if D else 1.0) if scale is None else scale
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     pad = Nc * C - N
