@@ -107,6 +107,20 @@ def test_lengths(backend, N, C, D):
     _check(_grads(backend, p, g), p, g)
 
 
+def test_chunk_longer_than_the_sequence(backend):
+    """A chunk_size far above N is one chunk of all N tokens: the backward loops over the tokens, not
+    over chunk_size."""
+    import time
+    p = random_problem(2, 3, 37, 16, 4, device=DEVICE, omega="chunk", key_weight=True, valid=True, seed=1)
+    p["chunk_size"] = 2 ** 40
+    p["omega"] = p["omega"][:, :, :1]
+    g = _grad_outputs(p)
+    t0 = time.perf_counter()
+    grads = _grads(backend, p, g)
+    assert time.perf_counter() - t0 < 60
+    _check(grads, p, g)
+
+
 def test_lse_only_loss(backend):
     """A loss of lse alone: the gradients flow through lse (k_sum, v_sum get zero gradients)."""
     p = random_problem(2, 2, 30, 6, 4, device=DEVICE, omega="head", key_weight=True, valid=True)

@@ -322,8 +322,8 @@ def launch(k, v, omega, key_weight, valid, dk_sum, dv_sum, dlse, dk, dv, domega,
     where omega / key_weight is. config: BLOCK_CHUNKS, num_warps, optional BLOCK_J and num_stages.
     """
     B, H, N, D = k.shape
-    C = int(chunk_size)
-    Nc = -(-N // C)
+    Nc = -(-N // int(chunk_size))
+    C = min(int(chunk_size), max(N, 1))  # a chunk longer than N holds tokens [0, N): loop over those only
     if B * H * N == 0 or D == 0:  # no token or nothing to read: every gradient is 0
         for g in (dk, dv, domega, dkey_weight):
             if g is not None:

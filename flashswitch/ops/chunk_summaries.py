@@ -195,12 +195,13 @@ def run_kernel(backend: str, config: dict, k, v, chunk_size, omega=None, key_wei
 
 def run_backward(backend: str, config, grad_outputs, k, v, chunk_size, omega=None, key_weight=None, valid=None,
                  scale=None) -> tuple:
-    """The backward kernels with an explicit config (None: the tuned one), for the tuner and the
-    benchmarks: the gradients named by GRAD_INPUTS, None for inputs absent from the problem.
+    """The forward (tuned or default config), then the backward kernels with an explicit `config`
+    (None: the tuned one), for the tuner and the benchmarks: one training step of the op. Returns the
+    gradients named by GRAD_INPUTS, None for inputs absent from the problem.
 
-    grad_outputs: (dk_sum, dv_sum) or (dk_sum, dv_sum, dlse). The backward needs no forward output
-    (it recomputes the softmaxes from the inputs), so no forward runs here. The reference backend
-    differentiates the torch reference.
+    grad_outputs: (dk_sum, dv_sum) or (dk_sum, dv_sum, dlse). The backward kernels use no forward
+    output (they recompute the softmaxes from the inputs); the forward runs so that a timed call
+    costs what a training step does. The reference backend differentiates the torch reference.
     """
     scale = _validate(k, v, chunk_size, omega, key_weight, valid, scale)
     dk_sum, dv_sum, dlse = (tuple(grad_outputs) + (None,))[:3]
@@ -216,7 +217,10 @@ def run_backward(backend: str, config, grad_outputs, k, v, chunk_size, omega=Non
                                         allow_unused=True)
         got = dict(zip(leaves, grads))
         return tuple(got.get(n) for n in GRAD_INPUTS)
-    return _run_backward(backend, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, key_weight, valid, scale, config)
+    with torch.no_grad():
+        _run_backend(backend, k, v, chunk_size, omega, key_weight, valid, scale)
+        return _run_backward(backend, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, key_weight, valid, scale,
+                             config)
 
 
 def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega: Optional[torch.Tensor] = None,
