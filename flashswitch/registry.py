@@ -424,7 +424,11 @@ class BackwardSpec(OpSpec):
         run, grad_outputs, fwd_problem = self.ops().run_backward, problem["grad_outputs"], self.forward_problem(problem)
         present = self._present(self.ops().GRAD_INPUTS, problem)  # names of the gradients the problem has
         keep = [i for i, n in enumerate(self.ops().GRAD_INPUTS) if n in present]
-        return lambda: tuple(run(backend, config, grad_outputs, **fwd_problem)[i] for i in keep)
+
+        def step():  # one forward + backward
+            grads = run(backend, config, grad_outputs, **fwd_problem)
+            return tuple(grads[i] for i in keep)
+        return step
 
     def features(self, problem: dict) -> dict:
         return self.ops().problem_features_bwd(**self.forward_problem(problem))

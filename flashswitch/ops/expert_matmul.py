@@ -343,8 +343,9 @@ def run_backward(backend: str, config, grad_outputs, x, expert_idx, num_experts,
                  out_groups=None, deterministic=False) -> tuple:
     """Routing + the backward kernels with an explicit config (None: tuned/default), for the tuner and
     the benchmarks: the gradients of GRAD_INPUTS (dx shaped like x, dweight, dgates; None for absent
-    gates). `grad_outputs`: dy [T, G_out, d_out] (or a 1-tuple of it). The backward needs no forward
-    output (no lse), so no forward runs; the reference backend differentiates the torch reference."""
+    gates). `grad_outputs`: dy [T, G_out, d_out] (or a 1-tuple of it). The forward runs first (tuned or
+    default config), so that a timed call is what a training step pays, although the backward reads none
+    of its output; the reference backend differentiates the torch reference."""
     dy = grad_outputs[0] if isinstance(grad_outputs, (tuple, list)) else grad_outputs
     if backend == "reference":
         from flashswitch.reference.expert_matmul import torch_expert_matmul
@@ -360,6 +361,7 @@ def run_backward(backend: str, config, grad_outputs, x, expert_idx, num_experts,
     rt = route(expert_idx, num_experts, check=False)
     G_in, G_out = _validate(x, rt, weight, gates, out_groups, deterministic)
     x3 = _x3(x)
+    _run_backend(backend, x3, weight, gates, rt, G_out, deterministic)  # the step's forward
     dx, dw, dg = _run_backward(backend, dy, x3, weight, gates, rt, G_out, True, True, gates is not None, config)
     return dx.view(x.shape), dw, (dg if gates is not None else None)
 
