@@ -121,9 +121,26 @@ def _forward_buckets():
                     G_in=s.get("G_in", 1), G_out=s.get("G_out", s["S"]), tokens=s["T"], deterministic=det)
 
 
+def _backward_buckets():
+    """Bucket features of every backward tuning shape, in every dtype."""
+    for dt in ("bf16", "fp16", "fp32"):
+        for s in space.TUNE_SHAPES["chunk_summaries.bwd"]:
+            yield "chunk_summaries.bwd", space.features("chunk_summaries.bwd", dtype=dt, D=s["D"], C=s["C"],
+                                                        rows=s["B"] * s["H"] * s["N"])
+        for s in space.TUNE_SHAPES["eva_attention.bwd"]:
+            for decode in (False, True):
+                yield "eva_attention.bwd", space.features(
+                    "eva_attention.bwd", dtype=dt, D=s["D"], C=s["C"], W=s["W"], window=s["window"], decode=decode,
+                    rows=s["B"] * s["H"] * s["Nk"], keys=s["Nk"])
+        for s in space.TUNE_SHAPES["expert_matmul.bwd"]:
+            yield "expert_matmul.bwd", space.features(
+                "expert_matmul.bwd", dtype=dt, wdtype=dt, d_in=s["d_in"], d_out=s["d_out"], E=s["E"], S=s["S"],
+                G_in=s.get("G_in", 1), G_out=s.get("G_out", s["S"]), tokens=s["T"], gated=s["gated"])
+
+
 def test_every_space_config_passes_the_schema():
     n = 0
-    for op, f in _forward_buckets():
+    for op, f in list(_forward_buckets()) + list(_backward_buckets()):
         for backend in ("triton", "cuda", "cupy"):
             for cfg in space.config_space(op, backend, f) + [space.default_config(op, backend, f)]:
                 assert schema.config_problems(op, backend, cfg) == [], (op, backend, cfg)
