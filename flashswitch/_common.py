@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import os
 from typing import Optional, Sequence
 
@@ -49,6 +50,8 @@ def check_scale(scale, head_dim: int) -> float:
         return head_dim ** -0.5 if head_dim > 0 else 1.0
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0, got {scale}")
     return float(scale)
 
 

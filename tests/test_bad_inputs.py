@@ -121,6 +121,16 @@ def test_cs_scale(value):
         _cs(scale=value)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 0.0, -0.5])
+def test_scale_must_be_finite_and_positive(value):
+    """A NaN, infinite or non-positive scale is refused by name (it would give NaN or a meaningless softmax)."""
+    with pytest.raises(ValueError, match="^scale "):
+        _cs(scale=value)
+    k = torch.randn(1, 2, 8, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="^scale "):
+        flashswitch.eva_attention(k, k, k, k[:, :, :2], k[:, :, :2], chunk_size=4, window_size=4, scale=value)
+
+
 @pytest.mark.parametrize("name", ["k", "v", "omega", "key_weight"])
 def test_cs_last_dim_not_contiguous(name):
     k, v, C = _cs_args()

@@ -101,7 +101,7 @@ def problems(draw):
 
 # ---------------------------------------------------------------- gradients vs the fp64 reference
 @with_fixture
-@given(case=problems(), scale=st.sampled_from([None, 0.3, -0.3, 0.0]), use_lse=st.booleans())
+@given(case=problems(), scale=st.sampled_from([None, 0.3, 2.0]), use_lse=st.booleans())
 def test_gradients_match_reference(backend, case, scale, use_lse):
     p = random_problem(device=DEVICE, **case)
     do, dlse = _upstream(p, case["seed"])
