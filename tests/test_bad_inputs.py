@@ -188,3 +188,54 @@ def test_poison_variable_reads_off_words(monkeypatch, value, on):
     assert poison_outputs() == on
     if on:
         assert torch.isnan(new_output((3,), torch.float32, torch.device("cpu"))).all()
+
+
+# ---------------------------------------------------------------- hand-built routes (op 3)
+def _route_parts(T=6, S=2, E=3):
+    rt = flashswitch.route(torch.randint(0, E, (T, S), device=DEVICE), E)
+    return dict(token=rt.token, slot=rt.slot, offsets=rt.offsets, expert_idx=None, T=T, S=S, E=E)
+
+
+@pytest.mark.parametrize("field,value,err", [
+    ("token", lambda p: p["token"].long(), TypeError),
+    ("slot", lambda p: p["slot"][:-1], ValueError),
+    ("offsets", lambda p: p["offsets"].int(), TypeError),
+    ("offsets", lambda p: p["offsets"][:-1], ValueError),
+    ("token", lambda p: [0] * 12, TypeError),
+    ("E", lambda p: 0, ValueError),
+])
+def test_hand_built_route_fields(field, value, err):
+    p = _route_parts()
+    p[field] = value(p)
+    with pytest.raises(err, match=f"^Route.{field} "):
+        flashswitch.Route(**p)
+
+
+@pytest.mark.parametrize("break_it", ["offsets past the pairs", "offsets decrease", "token out of range",
+                                      "slot out of range"])
+def test_hand_built_route_values_are_checked_before_any_kernel(break_it):
+    p = _route_parts()
+    if break_it == "offsets past the pairs":
+        p["offsets"] = p["offsets"].clone()
+        p["offsets"][-1] = 1000
+    elif break_it == "offsets decrease":
+        p["offsets"] = torch.tensor([0, 8, 4, 12], dtype=torch.int64, device=DEVICE)
+    elif break_it == "token out of range":
+        p["token"] = p["token"].clone()
+        p["token"][0] = 6
+    else:
+        p["slot"] = p["slot"].clone()
+        p["slot"][0] = -1
+    rt = flashswitch.Route(**p)
+    x = torch.randn(6, 4, device=DEVICE)
+    w = torch.randn(3, 4, 5, device=DEVICE)
+    with pytest.raises(ValueError, match="^Route."):
+        flashswitch.expert_matmul(x, rt, w, backend="triton")
+
+
+def test_routes_from_route_need_no_sync_check():
+    rt = flashswitch.route(torch.randint(0, 3, (6, 2), device=DEVICE), 3)
+    assert getattr(rt, "_values_ok", False)
+    p = _route_parts()
+    hand = flashswitch.Route(**p)
+    assert hand.validate() is hand and hand._values_ok

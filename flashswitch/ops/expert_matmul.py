@@ -40,6 +40,11 @@ class Route:
     The backward pass needs `token`, `slot` and `offsets` (d weight[e] = Σ over expert e's rows of
     x_rowᵀ·dy_row, exactly zero for an empty expert; d x and d gates gather the same rows) and
     `position` (the inverse permutation: sorted position of pair t·S + s), computed lazily.
+
+    A Route built by hand is checked when it is made (dtypes, devices, lengths: TypeError / ValueError
+    naming the field) and its values once, the first time `expert_matmul` uses it (`validate()`: one
+    host sync; call it beforehand to keep the sync out of a CUDA-graph capture). Routes from `route()`
+    need no value check.
     """
     token: torch.Tensor
     slot: torch.Tensor
@@ -48,6 +53,45 @@ class Route:
     T: int
     S: int
     E: int
+
+    def __post_init__(self):
+        for name in ("T", "S", "E"):
+            v = getattr(self, name)
+            if isinstance(v, torch.SymInt):  # traced with dynamic shapes: checked when it runs
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "T" else 1):
+                raise ValueError(f"Route.{name} must be an int >= {0 if name == 'T' else 1}, got {v!r}")
+        P = self.T * self.S
+        for name, dtype, n in (("token", torch.int32, P), ("slot", torch.int32, P), ("offsets", torch.int64, self.E + 1)):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"Route.{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != dtype:
+                raise TypeError(f"Route.{name} has dtype {t.dtype}; expected {dtype}")
+            if tuple(t.shape) != (n,):
+                raise ValueError(f"Route.{name} has shape {tuple(t.shape)}; expected ({n},)")
+            if t.device != self.offsets.device:
+                raise ValueError(f"Route.{name} is on {t.device} but offsets is on {self.offsets.device}")
+        if self.expert_idx is not None and (not isinstance(self.expert_idx, torch.Tensor)
+                                            or tuple(self.expert_idx.shape) != (self.T, self.S)):
+            raise ValueError(f"Route.expert_idx must be None or a [T, S] = [{self.T}, {self.S}] tensor")
+
+    def validate(self) -> "Route":
+        """Check the values (one host sync): offsets start at 0, never decrease and end within the pairs;
+        tokens and slots are in range. Raises ValueError naming the field; returns the route."""
+        if not getattr(self, "_values_ok", False):
+            P = self.T * self.S
+            off = self.offsets
+            bad = None
+            if off.numel() and (int(off[0]) != 0 or bool((off[1:] < off[:-1]).any()) or int(off[-1]) > P):
+                bad = f"Route.offsets must start at 0, never decrease and end at most at the {P} pairs"
+            elif P and (bool(((self.token < 0) | (self.token >= self.T)).any())
+                        or bool(((self.slot < 0) | (self.slot >= self.S)).any())):
+                bad = f"Route.token / Route.slot hold values outside [0, T) = [0, {self.T}) / [0, S) = [0, {self.S})"
+            if bad:
+                raise ValueError(bad)
+            object.__setattr__(self, "_values_ok", True)
+        return self
 
     @property
     def num_pairs(self) -> int:
@@ -112,7 +156,13 @@ def route(expert_idx: torch.Tensor, num_experts: int, *, check: bool = True) -> 
         token, slot, offsets = torch.ops.flashswitch_C.route_fwd(expert_idx, E)  # one call, no sync
     else:
         token, slot, offsets = _torch_route(expert_idx, E, clamp=not check)
-    return Route(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E)
+    return _trusted(Route(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E))
+
+
+def _trusted(rt: Route) -> Route:
+    """A route whose values are right by construction (route(), or rebuilt inside the custom ops)."""
+    object.__setattr__(rt, "_values_ok", True)
+    return rt
 
 
 ROUTE_ENV = "FLASHSWITCH_ROUTE"  # "device" (default): the extension's one-call sort; "torch": torch ops
@@ -230,8 +280,8 @@ def _run_backend(backend: str, x3, weight, gates, rt: Route, G_out: int, determi
 def _expert_matmul_op(x3: torch.Tensor, weight: torch.Tensor, gates: Optional[torch.Tensor], token: torch.Tensor,
                       slot: torch.Tensor, offsets: torch.Tensor, S: int, G_out: int, deterministic: bool,
                       backend: str) -> torch.Tensor:
-    rt = Route(token=token, slot=slot, offsets=offsets, expert_idx=None, T=x3.shape[0], S=S,
-               E=offsets.numel() - 1)
+    rt = _trusted(Route(token=token, slot=slot, offsets=offsets, expert_idx=None, T=x3.shape[0], S=S,
+               E=offsets.numel() - 1))
     return _run_backend(backend, x3, weight, gates, rt, G_out, deterministic)
 
 
@@ -277,8 +327,8 @@ def _expert_matmul_backward_op(dy: torch.Tensor, x3: torch.Tensor, weight: torch
                                token: torch.Tensor, slot: torch.Tensor, offsets: torch.Tensor, S: int, G_out: int,
                                need_x: bool, need_weight: bool, need_gates: bool,
                                backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rt = Route(token=token, slot=slot, offsets=offsets, expert_idx=None, T=x3.shape[0], S=S,
-               E=offsets.numel() - 1)
+    rt = _trusted(Route(token=token, slot=slot, offsets=offsets, expert_idx=None, T=x3.shape[0], S=S,
+               E=offsets.numel() - 1))
     return _run_backward(backend, dy, x3, weight, gates, rt, G_out, need_x, need_weight, need_gates)
 
 
@@ -389,6 +439,8 @@ def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates:
     with no pairs; the reference backend differentiates the torch reference.
     """
     G_in, G_out = _validate(x, route, weight, gates, out_groups, deterministic)
+    if not torch.compiler.is_compiling():
+        route.validate()  # a hand-built route, once (routes from route() are known good)
     x3 = _x3(x)
     bucket = _features(x3, weight, route.S, G_out, deterministic) if x.is_cuda else None
     backend = C.resolve_backend(OP, backend, x.device, bucket)
