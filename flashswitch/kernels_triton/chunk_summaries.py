@@ -27,6 +27,121 @@ FORCE_OFFS_64 = False  # 64-bit offsets even where 32 bits suffice (tests of tha
 
 
 @triton.jit
+def _program_coords(H, n_blocks):
+    """(b, h, blk) of this program: the grid runs over blocks of chunks, then heads, then batches."""
+    pid = tl.program_id(0).to(tl.int64)
+    bh = pid // n_blocks
+    blk = pid - bh * n_blocks
+    b = bh // H
+    h = bh - b * H
+    return b, h, blk
+
+
+@triton.jit
+def _round_strides(stride_b, stride_h, stride_n, VEC: tl.constexpr):
+    """Row strides of one tensor rounded down to multiples of VEC. Exact where every row starts at
+    such a multiple (the launchers check it), and it lets the compiler see the alignment, so odd D
+    such as 76 still gets vector loads and stores."""
+    return stride_b // VEC * VEC, stride_h // VEC * VEC, stride_n // VEC * VEC
+
+
+@triton.jit
+def _chunk_tile(blk, Nc, OFFS_64: tl.constexpr, EVEN_D: tl.constexpr, D: tl.constexpr,
+                BLOCK_CHUNKS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Index tiles of block `blk` of chunks: c3 [BC, 1, 1] (int64 with OFFS_64, else int32),
+    offs_j3 [1, BJ, 1], d3 [1, 1, BD] and the masks mask_c3 (c < Nc), mask_d3 (d < D)."""
+    if OFFS_64:
+        c = blk * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS).to(tl.int64)
+    else:
+        c = blk.to(tl.int32) * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS)
+    c3 = c[:, None, None]                                         # [BC, 1, 1]
+    offs_j3 = tl.arange(0, BLOCK_J)[None, :, None]                # [1, BJ, 1]
+    d3 = tl.arange(0, BLOCK_D)[None, None, :]                     # [1, 1, BD]
+    mask_c3 = c3 < Nc
+    if EVEN_D:  # no lane past D: a constant mask lets the compiler vectorize any power-of-two D
+        mask_d3 = d3 < BLOCK_D
+    else:
+        mask_d3 = d3 < D
+    return c3, offs_j3, d3, mask_c3, mask_d3
+
+
+@triton.jit
+def _load_omega_kw(om_ptr, kw_ptr, b, h, c3, d3, mask_cd, mask_d3, stride_ob, stride_oh, stride_oc, stride_kwh,
+                   HAS_OMEGA: tl.constexpr, HAS_KEY_WEIGHT: tl.constexpr,
+                   BLOCK_CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """fp32 omega of the chunks ([BC, 1, BD]) and key_weight of the head ([1, 1, BD]); zeros where
+    there is none, so that callers need no branch."""
+    if HAS_OMEGA:
+        om_base = om_ptr + b * stride_ob + h * stride_oh
+        om = tl.load(om_base + c3 * stride_oc + d3, mask=mask_cd, other=0.0).to(tl.float32)
+    else:
+        om = tl.zeros([BLOCK_CHUNKS, 1, BLOCK_D], dtype=tl.float32)
+    if HAS_KEY_WEIGHT:
+        kw = tl.load(kw_ptr + h * stride_kwh + d3, mask=mask_d3, other=0.0).to(tl.float32)
+    else:
+        kw = tl.zeros([1, 1, BLOCK_D], dtype=tl.float32)
+    return om, kw
+
+
+@triton.jit
+def _load_piece(k_base, v_base, valid_base, c3, j0, N, C, stride_kn, stride_vn, stride_valn,
+                offs_j3, d3, mask_d3, HAS_VALID: tl.constexpr):
+    """Tokens [j0, j0 + BLOCK_J) of each chunk: (tok, inside, tmask, kk, vv). `inside` marks tokens
+    of the sequence, `tmask` the valid ones among them; kk, vv are fp32 and 0 off tmask."""
+    j = j0 + offs_j3                                              # [1, BJ, 1]
+    tok = c3 * C + j                                              # [BC, BJ, 1], chunk's int type
+    inside = (j < C) & (tok < N)
+    tmask = inside
+    if HAS_VALID:
+        ok = tl.load(valid_base + tok * stride_valn, mask=inside, other=0)
+        tmask = inside & (ok != 0)
+    mask = tmask & mask_d3                                        # [BC, BJ, BD]
+    kk = tl.load(k_base + tok * stride_kn + d3, mask=mask, other=0.0).to(tl.float32)
+    vv = tl.load(v_base + tok * stride_vn + d3, mask=mask, other=0.0).to(tl.float32)
+    if HAS_VALID:  # padding may hold anything (inf, NaN): keep it out of every sum and gradient
+        kk = tl.where(mask, kk, 0.0)
+        vv = tl.where(mask, vv, 0.0)
+    return tok, inside, tmask, kk, vv
+
+
+@triton.jit
+def _value_logits(kk, om, tmask, qk_scale, HAS_OMEGA: tl.constexpr):
+    """Value-softmax logits l = scale * (omega . k - |k|^2 / 2) in base 2 ([BC, BJ, 1]), -inf off
+    tmask."""
+    if HAS_OMEGA:
+        logit = tl.sum(kk * (om - 0.5 * kk), axis=2, keep_dims=True) * qk_scale
+    else:
+        logit = tl.sum(kk * kk, axis=2, keep_dims=True) * (-0.5 * qk_scale)
+    return tl.where(tmask, logit, float("-inf"))
+
+
+@triton.jit
+def _key_logits(kk, kw, tmask):
+    """Key-softmax logits a = key_weight_h . k (no scale) in base 2 ([BC, BJ, 1]), -inf off tmask."""
+    a = tl.sum(kk * kw, axis=2, keep_dims=True) * 1.4426950408889634
+    return tl.where(tmask, a, float("-inf"))
+
+
+@triton.jit
+def _online_softmax(logit, m, s, acc, x):
+    """Fold one piece's base-2 logits ([BC, BJ, 1]) into the running max m, sum of exp2 s ([BC, 1, 1])
+    and exp2-weighted sum acc of x over the piece's tokens (reduced over axis 1, keep_dims)."""
+    m_new = tl.maximum(m, tl.max(logit, axis=1, keep_dims=True))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)         # all -inf so far: exp2 gives 0
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(logit - m_safe)
+    s = s * alpha + tl.sum(p, axis=1, keep_dims=True)
+    acc = acc * alpha + tl.sum(p * x, axis=1, keep_dims=True)
+    return m_new, s, acc
+
+
+@triton.jit
+def _safe_reciprocal(s):
+    """1 / s, and 0 where s = 0 (an empty chunk) without dividing by zero."""
+    return tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)
+
+
+@triton.jit
 def _piece(k_base, v_base, valid_base, c3, j0, N, C, stride_kn, stride_vn, stride_valn,
            om, kw, offs_j3, d3, mask_d3, qk_scale,
            m_v, s_v, acc_v, m_k, s_k, acc_k,
@@ -39,43 +154,12 @@ def _piece(k_base, v_base, valid_base, c3, j0, N, C, stride_kn, stride_vn, strid
     softmax. m_k, s_k, acc_k: the same for the key softmax (HAS_KEY_WEIGHT), or s_k = valid count
     and acc_k = key sum for the mean (m_k unused).
     """
-    j = j0 + offs_j3                                              # [1, BJ, 1]
-    tok = c3 * C + j                                              # [BC, BJ, 1], chunk's int type
-    tmask = (j < C) & (tok < N)
-    if HAS_VALID:
-        ok = tl.load(valid_base + tok * stride_valn, mask=tmask, other=0)
-        tmask = tmask & (ok != 0)
-    mask = tmask & mask_d3                                        # [BC, BJ, BD]
-    kk = tl.load(k_base + tok * stride_kn + d3, mask=mask, other=0.0).to(tl.float32)
-    vv = tl.load(v_base + tok * stride_vn + d3, mask=mask, other=0.0).to(tl.float32)
-    if HAS_VALID:  # padding may hold anything (inf, NaN): keep it out of every sum
-        kk = tl.where(mask, kk, 0.0)
-        vv = tl.where(mask, vv, 0.0)
-
-    # value softmax: l = scale * (omega . k - |k|^2 / 2), here in base 2
-    if HAS_OMEGA:
-        logit = tl.sum(kk * (om - 0.5 * kk), axis=2, keep_dims=True) * qk_scale     # [BC, BJ, 1]
-    else:
-        logit = tl.sum(kk * kk, axis=2, keep_dims=True) * (-0.5 * qk_scale)
-    logit = tl.where(tmask, logit, float("-inf"))
-    m_new = tl.maximum(m_v, tl.max(logit, axis=1, keep_dims=True))                 # [BC, 1, 1]
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)         # all -inf so far: exp2 gives 0
-    alpha = tl.exp2(m_v - m_safe)
-    p = tl.exp2(logit - m_safe)
-    s_v = s_v * alpha + tl.sum(p, axis=1, keep_dims=True)
-    acc_v = acc_v * alpha + tl.sum(p * vv, axis=1, keep_dims=True)                 # [BC, 1, BD]
-    m_v = m_new
-
-    if HAS_KEY_WEIGHT:  # key softmax: a = key_weight_h . k (no scale)
-        a = tl.sum(kk * kw, axis=2, keep_dims=True) * 1.4426950408889634
-        a = tl.where(tmask, a, float("-inf"))
-        mk_new = tl.maximum(m_k, tl.max(a, axis=1, keep_dims=True))
-        mk_safe = tl.where(mk_new == float("-inf"), 0.0, mk_new)
-        beta = tl.exp2(m_k - mk_safe)
-        q = tl.exp2(a - mk_safe)
-        s_k = s_k * beta + tl.sum(q, axis=1, keep_dims=True)
-        acc_k = acc_k * beta + tl.sum(q * kk, axis=1, keep_dims=True)
-        m_k = mk_new
+    tok, inside, tmask, kk, vv = _load_piece(k_base, v_base, valid_base, c3, j0, N, C, stride_kn, stride_vn,
+                                             stride_valn, offs_j3, d3, mask_d3, HAS_VALID)
+    logit = _value_logits(kk, om, tmask, qk_scale, HAS_OMEGA)
+    m_v, s_v, acc_v = _online_softmax(logit, m_v, s_v, acc_v, vv)                  # acc_v: [BC, 1, BD]
+    if HAS_KEY_WEIGHT:  # key softmax
+        m_k, s_k, acc_k = _online_softmax(_key_logits(kk, kw, tmask), m_k, s_k, acc_k, kk)
     else:  # mean: masked lanes of kk are 0
         s_k = s_k + tl.sum(tmask.to(tl.float32), axis=1, keep_dims=True)
         acc_k = acc_k + tl.sum(kk, axis=1, keep_dims=True)
@@ -96,54 +180,20 @@ def _chunk_summaries_fwd(
     OFFS_64: tl.constexpr, D: tl.constexpr,
     BLOCK_CHUNKS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    bh = pid // n_blocks
-    blk = pid - bh * n_blocks
-    b = bh // H
-    h = bh - b * H
-
-    # Every row of k, v, k_sum, v_sum starts at a multiple of VEC (VEC_OUT) elements (the launcher
-    # checks it). Rounding the strides down to such multiples is exact and lets the compiler see it,
-    # so odd D such as 76 still gets vector loads and stores.
-    stride_kb = stride_kb // VEC * VEC
-    stride_kh = stride_kh // VEC * VEC
-    stride_kn = stride_kn // VEC * VEC
-    stride_vb = stride_vb // VEC * VEC
-    stride_vh = stride_vh // VEC * VEC
-    stride_vn = stride_vn // VEC * VEC
-    stride_ksb = stride_ksb // VEC_OUT * VEC_OUT
-    stride_ksh = stride_ksh // VEC_OUT * VEC_OUT
-    stride_ksc = stride_ksc // VEC_OUT * VEC_OUT
-    stride_vsb = stride_vsb // VEC_OUT * VEC_OUT
-    stride_vsh = stride_vsh // VEC_OUT * VEC_OUT
-    stride_vsc = stride_vsc // VEC_OUT * VEC_OUT
+    b, h, blk = _program_coords(H, n_blocks)
+    stride_kb, stride_kh, stride_kn = _round_strides(stride_kb, stride_kh, stride_kn, VEC)
+    stride_vb, stride_vh, stride_vn = _round_strides(stride_vb, stride_vh, stride_vn, VEC)
+    stride_ksb, stride_ksh, stride_ksc = _round_strides(stride_ksb, stride_ksh, stride_ksc, VEC_OUT)
+    stride_vsb, stride_vsh, stride_vsc = _round_strides(stride_vsb, stride_vsh, stride_vsc, VEC_OUT)
 
     # per-(b, h) bases in 64 bits; offsets inside one head in 32 bits unless they may overflow
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     valid_base = valid_ptr + b * stride_valb
-    if OFFS_64:
-        c = blk * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS).to(tl.int64)
-    else:
-        c = blk.to(tl.int32) * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS)
-    c3 = c[:, None, None]                                         # [BC, 1, 1]
-    offs_j3 = tl.arange(0, BLOCK_J)[None, :, None]                # [1, BJ, 1]
-    d3 = tl.arange(0, BLOCK_D)[None, None, :]                     # [1, 1, BD]
-    mask_c3 = c3 < Nc
-    if EVEN_D:  # no lane past D: a constant mask lets the compiler vectorize any power-of-two D
-        mask_d3 = d3 < BLOCK_D
-    else:
-        mask_d3 = d3 < D
-
-    if HAS_OMEGA:
-        om_base = om_ptr + b * stride_ob + h * stride_oh
-        om = tl.load(om_base + c3 * stride_oc + d3, mask=mask_c3 & mask_d3, other=0.0).to(tl.float32)
-    else:
-        om = tl.zeros([BLOCK_CHUNKS, 1, BLOCK_D], dtype=tl.float32)
-    if HAS_KEY_WEIGHT:
-        kw = tl.load(kw_ptr + h * stride_kwh + d3, mask=mask_d3, other=0.0).to(tl.float32)
-    else:
-        kw = tl.zeros([1, 1, BLOCK_D], dtype=tl.float32)
+    c3, offs_j3, d3, mask_c3, mask_d3 = _chunk_tile(blk, Nc, OFFS_64, EVEN_D, D, BLOCK_CHUNKS, BLOCK_J, BLOCK_D)
+    om, kw = _load_omega_kw(om_ptr, kw_ptr, b, h, c3, d3, mask_c3 & mask_d3, mask_d3,
+                            stride_ob, stride_oh, stride_oc, stride_kwh,
+                            HAS_OMEGA, HAS_KEY_WEIGHT, BLOCK_CHUNKS, BLOCK_D)
 
     m_v = tl.full([BLOCK_CHUNKS, 1, 1], float("-inf"), tl.float32)
     s_v = tl.zeros([BLOCK_CHUNKS, 1, 1], dtype=tl.float32)
@@ -165,9 +215,8 @@ def _chunk_summaries_fwd(
                 HAS_OMEGA, HAS_KEY_WEIGHT, HAS_VALID)
 
     nonempty = s_v > 0.0                                          # [BC, 1, 1]
-    inv_v = tl.where(nonempty, 1.0 / tl.where(nonempty, s_v, 1.0), 0.0)
-    k_ok = s_k > 0.0
-    inv_k = tl.where(k_ok, 1.0 / tl.where(k_ok, s_k, 1.0), 0.0)
+    inv_v = _safe_reciprocal(s_v)
+    inv_k = _safe_reciprocal(s_k)
     lse = tl.where(nonempty, (m_v + tl.log2(tl.where(nonempty, s_v, 1.0))) * 0.6931471805599453,
                    float("-inf"))
 
@@ -205,6 +254,25 @@ def block_sizes(chunk_size: int, head_dim: int, config: Optional[dict] = None) -
     return block_j, space.next_pow2(head_dim)
 
 
+def _fit_tile(block_chunks: int, block_j: int, block_d: int, budget: int) -> tuple[int, int]:
+    """(BLOCK_CHUNKS, BLOCK_J) halved until a tile holds at most `budget` elements: a config tuned
+    for a neighbouring shape (other C or D) may not fit this one."""
+    while block_chunks > 1 and block_chunks * block_j * block_d > budget:
+        block_chunks //= 2
+    while block_j > 1 and block_j * block_d > budget:
+        block_j //= 2
+    return block_chunks, block_j
+
+
+def _valid_arg(valid, k) -> tuple:
+    """(tensor, strides) to pass for the padding mask: bool seen as uint8, or k and zero strides when
+    there is none."""
+    if valid is None:
+        return k, (0, 0)
+    vl = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
+    return vl, vl.stride()
+
+
 def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, scale, config):
     """Fill k_sum, v_sum ([B, Hkv, Nc, D], k's dtype) and lse (fp32 [B, Hkv, Nc]).
 
@@ -226,12 +294,7 @@ def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, sca
     if BLOCK_CHUNKS < 1 or BLOCK_CHUNKS & (BLOCK_CHUNKS - 1):
         raise ValueError(f"config BLOCK_CHUNKS must be a power of two >= 1, got {BLOCK_CHUNKS}")
     num_warps = int(cfg.get("num_warps", 1))
-    # a config tuned for a neighbouring shape (other C or D) may not fit this one: shrink the tile
-    # to at most MAX_PER_THREAD elements per thread
-    while BLOCK_CHUNKS > 1 and BLOCK_CHUNKS * BLOCK_J * BLOCK_D > MAX_PER_THREAD * 32 * num_warps:
-        BLOCK_CHUNKS //= 2
-    while BLOCK_J > 1 and BLOCK_J * BLOCK_D > MAX_PER_THREAD * 32 * num_warps:
-        BLOCK_J //= 2
+    BLOCK_CHUNKS, BLOCK_J = _fit_tile(BLOCK_CHUNKS, BLOCK_J, BLOCK_D, MAX_PER_THREAD * 32 * num_warps)
     n_blocks = triton.cdiv(Nc, BLOCK_CHUNKS)
 
     has_omega = omega is not None
@@ -241,11 +304,7 @@ def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, sca
     so = omega.stride()[:3] if has_omega else (0, 0, 0)
     kw = key_weight if has_kw else k
     skw = key_weight.stride(0) if has_kw else 0
-    if has_valid:
-        vl = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
-        sval = vl.stride()
-    else:
-        vl, sval = k, (0, 0)
+    vl, sval = _valid_arg(valid, k)
 
     sk, sv, sks, svs = (_row_strides(t) for t in (k, v, k_sum, v_sum))
     # offsets inside one (b, h) (tokens, chunks, d, also on padded lanes) fit in int32?

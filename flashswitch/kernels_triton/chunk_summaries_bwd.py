@@ -21,81 +21,47 @@ with torch.sum (a fixed order: bitwise deterministic, no atomics).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from flashswitch._common import new_output
+from flashswitch.kernels_triton.chunk_summaries import (LOG2E, _chunk_tile, _fit_tile, _key_logits, _load_omega_kw,
+                                                        _load_piece, _online_softmax, _program_coords,
+                                                        _round_strides, _row_strides, _safe_reciprocal,
+                                                        _valid_arg, _value_logits, _vec, block_sizes)
 
-LOG2E = 1.4426950408889634
-MAX_BLOCK_J = 64
 MAX_PER_THREAD = 64  # elements of one k (or v) tile per thread a launch accepts (dk, dv tiles double it)
 FORCE_OFFS_64 = False  # 64-bit offsets even where 32 bits suffice (tests of that path)
 
 
 @triton.jit
-def _load_piece(k_base, v_base, valid_base, c3, j0, N, C, stride_kn, stride_vn, stride_valn,
-                offs_j3, d3, mask_d3, HAS_VALID: tl.constexpr):
-    """Tokens [j0, j0 + BLOCK_J) of each chunk: (tok, inside, tmask, kk, vv). `inside` marks tokens
-    of the sequence (they all get a gradient), `tmask` the valid ones among them."""
-    j = j0 + offs_j3                                              # [1, BJ, 1]
-    tok = c3 * C + j                                              # [BC, BJ, 1]
-    inside = (j < C) & (tok < N)
-    tmask = inside
-    if HAS_VALID:
-        ok = tl.load(valid_base + tok * stride_valn, mask=inside, other=0)
-        tmask = inside & (ok != 0)
-    mask = tmask & mask_d3
-    kk = tl.load(k_base + tok * stride_kn + d3, mask=mask, other=0.0).to(tl.float32)
-    vv = tl.load(v_base + tok * stride_vn + d3, mask=mask, other=0.0).to(tl.float32)
-    if HAS_VALID:  # padding may hold anything (inf, NaN): keep it out of every sum and gradient
-        kk = tl.where(mask, kk, 0.0)
-        vv = tl.where(mask, vv, 0.0)
-    return tok, inside, tmask, kk, vv
-
-
-@triton.jit
-def _token_terms(kk, vv, tmask, om, kw, dks, dvs, qk_scale,
-                 HAS_OMEGA: tl.constexpr, HAS_KEY_WEIGHT: tl.constexpr):
-    """Per-token values ([BC, BJ, 1]): value logit l2 and key logit z2 (base 2, -inf off tmask),
-    gv = dv_sum . v_j and gk = dk_sum . k_j (0 off tmask)."""
-    if HAS_OMEGA:
-        l2 = tl.sum(kk * (om - 0.5 * kk), axis=2, keep_dims=True) * qk_scale
-    else:
-        l2 = tl.sum(kk * kk, axis=2, keep_dims=True) * (-0.5 * qk_scale)
-    l2 = tl.where(tmask, l2, float("-inf"))
+def _piece_terms(k_base, v_base, valid_base, c3, j0, N, C, stride_kn, stride_vn, stride_valn,
+                 offs_j3, d3, mask_d3, om, kw, dks, dvs, qk_scale,
+                 HAS_OMEGA: tl.constexpr, HAS_KEY_WEIGHT: tl.constexpr, HAS_VALID: tl.constexpr):
+    """Load tokens [j0, j0 + BLOCK_J) of each chunk (see _load_piece) and their per-token values
+    ([BC, BJ, 1]): value logit l2 and key logit z2 (base 2, -inf off tmask), gv = dv_sum . v_j and
+    gk = dk_sum . k_j (0 off tmask). Returns (tok, inside, tmask, kk, l2, z2, gv, gk)."""
+    tok, inside, tmask, kk, vv = _load_piece(k_base, v_base, valid_base, c3, j0, N, C, stride_kn, stride_vn,
+                                             stride_valn, offs_j3, d3, mask_d3, HAS_VALID)
+    l2 = _value_logits(kk, om, tmask, qk_scale, HAS_OMEGA)
     gv = tl.sum(vv * dvs, axis=2, keep_dims=True)
     if HAS_KEY_WEIGHT:
-        z2 = tl.sum(kk * kw, axis=2, keep_dims=True) * 1.4426950408889634
-        z2 = tl.where(tmask, z2, float("-inf"))
+        z2 = _key_logits(kk, kw, tmask)
         gk = tl.sum(kk * dks, axis=2, keep_dims=True)
     else:  # unused
         z2 = l2
         gk = gv
-    return l2, z2, gv, gk
+    return tok, inside, tmask, kk, l2, z2, gv, gk
 
 
 @triton.jit
 def _fold_stats(l2, z2, gv, gk, tmask, m_v, s_v, t_v, m_k, s_k, t_k, HAS_KEY_WEIGHT: tl.constexpr):
     """Online (running-max) softmax statistics of one piece: max, sum of exp2 and the exp2-weighted
     sum of gv (gk) per chunk; without key_weight s_k counts the valid tokens."""
-    m_new = tl.maximum(m_v, tl.max(l2, axis=1, keep_dims=True))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)         # all -inf so far: exp2 gives 0
-    alpha = tl.exp2(m_v - m_safe)
-    e = tl.exp2(l2 - m_safe)
-    s_v = s_v * alpha + tl.sum(e, axis=1, keep_dims=True)
-    t_v = t_v * alpha + tl.sum(e * gv, axis=1, keep_dims=True)
-    m_v = m_new
+    m_v, s_v, t_v = _online_softmax(l2, m_v, s_v, t_v, gv)
     if HAS_KEY_WEIGHT:
-        mk_new = tl.maximum(m_k, tl.max(z2, axis=1, keep_dims=True))
-        mk_safe = tl.where(mk_new == float("-inf"), 0.0, mk_new)
-        beta = tl.exp2(m_k - mk_safe)
-        q = tl.exp2(z2 - mk_safe)
-        s_k = s_k * beta + tl.sum(q, axis=1, keep_dims=True)
-        t_k = t_k * beta + tl.sum(q * gk, axis=1, keep_dims=True)
-        m_k = mk_new
+        m_k, s_k, t_k = _online_softmax(z2, m_k, s_k, t_k, gk)
     else:
         s_k = s_k + tl.sum(tmask.to(tl.float32), axis=1, keep_dims=True)
     return m_v, s_v, t_v, m_k, s_k, t_k
@@ -109,6 +75,15 @@ def _finish_stats(m, s, t):
     s_safe = tl.where(nonempty, s, 1.0)
     lse2 = tl.where(nonempty, m + tl.log2(s_safe), 0.0)
     return lse2, tl.where(nonempty, t / s_safe, 0.0)
+
+
+@triton.jit
+def _gradient_terms(m_v, s_v, t_v, m_k, s_k, t_k):
+    """What the gradient pass needs of the finished statistics: (lse2_v, delta_v, lse2_k, delta_k,
+    inv_n), inv_n = 1 / valid count for mean keys."""
+    lse2_v, delta_v = _finish_stats(m_v, s_v, t_v)
+    lse2_k, delta_k = _finish_stats(m_k, s_k, t_k)
+    return lse2_v, delta_v, lse2_k, delta_k, _safe_reciprocal(s_k)
 
 
 @triton.jit
@@ -156,55 +131,23 @@ def _chunk_summaries_bwd(
     OFFS_64: tl.constexpr, D: tl.constexpr,
     BLOCK_CHUNKS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    bh = pid // n_blocks
-    blk = pid - bh * n_blocks
-    b = bh // H
-    h = bh - b * H
-
-    # rows of k, v, dk, dv start at multiples of VEC elements (the launcher checks it): rounding the
-    # strides is exact and lets the compiler vectorize odd D such as 76
-    stride_kb = stride_kb // VEC * VEC
-    stride_kh = stride_kh // VEC * VEC
-    stride_kn = stride_kn // VEC * VEC
-    stride_vb = stride_vb // VEC * VEC
-    stride_vh = stride_vh // VEC * VEC
-    stride_vn = stride_vn // VEC * VEC
-    stride_dkb = stride_dkb // VEC * VEC
-    stride_dkh = stride_dkh // VEC * VEC
-    stride_dkn = stride_dkn // VEC * VEC
-    stride_dvb = stride_dvb // VEC * VEC
-    stride_dvh = stride_dvh // VEC * VEC
-    stride_dvn = stride_dvn // VEC * VEC
+    b, h, blk = _program_coords(H, n_blocks)
+    # rows of k, v, dk, dv start at multiples of VEC elements (the launcher checks it)
+    stride_kb, stride_kh, stride_kn = _round_strides(stride_kb, stride_kh, stride_kn, VEC)
+    stride_vb, stride_vh, stride_vn = _round_strides(stride_vb, stride_vh, stride_vn, VEC)
+    stride_dkb, stride_dkh, stride_dkn = _round_strides(stride_dkb, stride_dkh, stride_dkn, VEC)
+    stride_dvb, stride_dvh, stride_dvn = _round_strides(stride_dvb, stride_dvh, stride_dvn, VEC)
 
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     dk_base = dk_ptr + b * stride_dkb + h * stride_dkh
     dv_base = dv_ptr + b * stride_dvb + h * stride_dvh
     valid_base = valid_ptr + b * stride_valb
-    if OFFS_64:
-        c = blk * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS).to(tl.int64)
-    else:
-        c = blk.to(tl.int32) * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS)
-    c3 = c[:, None, None]                                         # [BC, 1, 1]
-    offs_j3 = tl.arange(0, BLOCK_J)[None, :, None]                # [1, BJ, 1]
-    d3 = tl.arange(0, BLOCK_D)[None, None, :]                     # [1, 1, BD]
-    mask_c3 = c3 < Nc
-    if EVEN_D:
-        mask_d3 = d3 < BLOCK_D
-    else:
-        mask_d3 = d3 < D
+    c3, offs_j3, d3, mask_c3, mask_d3 = _chunk_tile(blk, Nc, OFFS_64, EVEN_D, D, BLOCK_CHUNKS, BLOCK_J, BLOCK_D)
     mask_cd = mask_c3 & mask_d3
 
-    if HAS_OMEGA:
-        om = tl.load(om_ptr + b * stride_ob + h * stride_oh + c3 * stride_oc + d3,
-                     mask=mask_cd, other=0.0).to(tl.float32)
-    else:
-        om = tl.zeros([BLOCK_CHUNKS, 1, BLOCK_D], dtype=tl.float32)
-    if HAS_KEY_WEIGHT:
-        kw = tl.load(kw_ptr + h * stride_kwh + d3, mask=mask_d3, other=0.0).to(tl.float32)
-    else:
-        kw = tl.zeros([1, 1, BLOCK_D], dtype=tl.float32)
+    om, kw = _load_omega_kw(om_ptr, kw_ptr, b, h, c3, d3, mask_cd, mask_d3, stride_ob, stride_oh, stride_oc,
+                            stride_kwh, HAS_OMEGA, HAS_KEY_WEIGHT, BLOCK_CHUNKS, BLOCK_D)
     dks = tl.load(dks_ptr + b * stride_dksb + h * stride_dksh + c3 * stride_dksc + d3,
                   mask=mask_cd, other=0.0).to(tl.float32)
     dvs = tl.load(dvs_ptr + b * stride_dvsb + h * stride_dvsh + c3 * stride_dvsc + d3,
@@ -225,32 +168,28 @@ def _chunk_summaries_bwd(
     dkw_acc = tl.zeros([BLOCK_CHUNKS, 1, BLOCK_D], dtype=tl.float32)
 
     if ONE_PIECE:  # the whole chunk is one tile: load once, statistics then gradients
-        tok, inside, tmask, kk, vv = _load_piece(k_base, v_base, valid_base, c3, 0, N, C, stride_kn, stride_vn,
-                                                 stride_valn, offs_j3, d3, mask_d3, HAS_VALID)
-        l2, z2, gv, gk = _token_terms(kk, vv, tmask, om, kw, dks, dvs, qk_scale, HAS_OMEGA, HAS_KEY_WEIGHT)
+        tok, inside, tmask, kk, l2, z2, gv, gk = _piece_terms(
+            k_base, v_base, valid_base, c3, 0, N, C, stride_kn, stride_vn, stride_valn, offs_j3, d3, mask_d3,
+            om, kw, dks, dvs, qk_scale, HAS_OMEGA, HAS_KEY_WEIGHT, HAS_VALID)
         m_v, s_v, t_v, m_k, s_k, t_k = _fold_stats(l2, z2, gv, gk, tmask, m_v, s_v, t_v, m_k, s_k, t_k,
                                                    HAS_KEY_WEIGHT)
-        lse2_v, delta_v = _finish_stats(m_v, s_v, t_v)
-        lse2_k, delta_k = _finish_stats(m_k, s_k, t_k)
-        inv_n = tl.where(s_k > 0.0, 1.0 / tl.where(s_k > 0.0, s_k, 1.0), 0.0)
+        lse2_v, delta_v, lse2_k, delta_k, inv_n = _gradient_terms(m_v, s_v, t_v, m_k, s_k, t_k)
         dom_acc, dkw_acc = _piece_grads(tok, inside, tmask, kk, l2, z2, gv, gk, om, kw, dks, dvs, dlse, scale,
                                         lse2_v, delta_v, lse2_k, delta_k, inv_n, dom_acc, dkw_acc,
                                         dk_base, dv_base, stride_dkn, stride_dvn, d3, mask_d3,
                                         HAS_OMEGA, HAS_KEY_WEIGHT)
     else:  # longer chunks: a statistics pass, then a gradient pass over the same pieces
         for j0 in range(0, C, BLOCK_J):
-            tok, inside, tmask, kk, vv = _load_piece(k_base, v_base, valid_base, c3, j0, N, C, stride_kn,
-                                                     stride_vn, stride_valn, offs_j3, d3, mask_d3, HAS_VALID)
-            l2, z2, gv, gk = _token_terms(kk, vv, tmask, om, kw, dks, dvs, qk_scale, HAS_OMEGA, HAS_KEY_WEIGHT)
+            tok, inside, tmask, kk, l2, z2, gv, gk = _piece_terms(
+                k_base, v_base, valid_base, c3, j0, N, C, stride_kn, stride_vn, stride_valn, offs_j3, d3, mask_d3,
+                om, kw, dks, dvs, qk_scale, HAS_OMEGA, HAS_KEY_WEIGHT, HAS_VALID)
             m_v, s_v, t_v, m_k, s_k, t_k = _fold_stats(l2, z2, gv, gk, tmask, m_v, s_v, t_v, m_k, s_k, t_k,
                                                        HAS_KEY_WEIGHT)
-        lse2_v, delta_v = _finish_stats(m_v, s_v, t_v)
-        lse2_k, delta_k = _finish_stats(m_k, s_k, t_k)
-        inv_n = tl.where(s_k > 0.0, 1.0 / tl.where(s_k > 0.0, s_k, 1.0), 0.0)
+        lse2_v, delta_v, lse2_k, delta_k, inv_n = _gradient_terms(m_v, s_v, t_v, m_k, s_k, t_k)
         for j0 in range(0, C, BLOCK_J):
-            tok, inside, tmask, kk, vv = _load_piece(k_base, v_base, valid_base, c3, j0, N, C, stride_kn,
-                                                     stride_vn, stride_valn, offs_j3, d3, mask_d3, HAS_VALID)
-            l2, z2, gv, gk = _token_terms(kk, vv, tmask, om, kw, dks, dvs, qk_scale, HAS_OMEGA, HAS_KEY_WEIGHT)
+            tok, inside, tmask, kk, l2, z2, gv, gk = _piece_terms(
+                k_base, v_base, valid_base, c3, j0, N, C, stride_kn, stride_vn, stride_valn, offs_j3, d3, mask_d3,
+                om, kw, dks, dvs, qk_scale, HAS_OMEGA, HAS_KEY_WEIGHT, HAS_VALID)
             dom_acc, dkw_acc = _piece_grads(tok, inside, tmask, kk, l2, z2, gv, gk, om, kw, dks, dvs, dlse,
                                             scale, lse2_v, delta_v, lse2_k, delta_k, inv_n, dom_acc, dkw_acc,
                                             dk_base, dv_base, stride_dkn, stride_dvn, d3, mask_d3,
@@ -267,24 +206,6 @@ def _chunk_summaries_bwd(
                  tl.sum(dkw_acc, axis=0, keep_dims=True), mask=mask_d3)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def _row_strides(t) -> tuple[int, ...]:
-    """The strides of all but the last dim, 0 for dims of size 1 (only ever indexed at 0)."""
-    return tuple(st if n > 1 else 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]))
-
-
-def _vec(strides, D, element_size) -> int:
-    """Largest power of two (at most 16 bytes' worth) dividing D and every one of `strides`."""
-    g = math.gcd(D, *strides)
-    vec = 1
-    while vec * 2 * element_size <= 16 and g % (vec * 2) == 0:
-        vec *= 2
-    return vec
-
-
 def tile(chunk_size: int, head_dim: int, config: dict) -> tuple[int, int, int, int]:
     """(BLOCK_CHUNKS, BLOCK_J, BLOCK_D, num_warps) a launch uses: the config's, with BLOCK_J at most
     next_pow2(C) (default min(next_pow2(C), 64)), shrunk to at most MAX_PER_THREAD elements of a
@@ -296,18 +217,8 @@ def tile(chunk_size: int, head_dim: int, config: dict) -> tuple[int, int, int, i
         raise ValueError(f"config must give {err.args[0]} (got {config})") from None
     if BLOCK_CHUNKS < 1 or BLOCK_CHUNKS & (BLOCK_CHUNKS - 1):
         raise ValueError(f"config BLOCK_CHUNKS must be a power of two >= 1, got {BLOCK_CHUNKS}")
-    block_j = min(_next_pow2(chunk_size), MAX_BLOCK_J)
-    if config.get("BLOCK_J"):
-        want = int(config["BLOCK_J"])
-        if want < 1 or want & (want - 1):
-            raise ValueError(f"config BLOCK_J must be a power of two >= 1, got {want}")
-        block_j = min(want, _next_pow2(chunk_size))
-    block_d = _next_pow2(head_dim)
-    budget = MAX_PER_THREAD * 32 * num_warps
-    while BLOCK_CHUNKS > 1 and BLOCK_CHUNKS * block_j * block_d > budget:
-        BLOCK_CHUNKS //= 2
-    while block_j > 1 and block_j * block_d > budget:
-        block_j //= 2
+    block_j, block_d = block_sizes(chunk_size, head_dim, config)
+    BLOCK_CHUNKS, block_j = _fit_tile(BLOCK_CHUNKS, block_j, block_d, MAX_PER_THREAD * 32 * num_warps)
     return BLOCK_CHUNKS, block_j, block_d, num_warps
 
 
@@ -351,11 +262,7 @@ def launch(k, v, omega, key_weight, valid, dk_sum, dv_sum, dlse, dk, dv, domega,
         sdkw = dkw.stride()[:3]
     else:
         kw, skw, dkw, sdkw = k, 0, k, (0, 0, 0)
-    if has_valid:
-        vl = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
-        sval = vl.stride()
-    else:
-        vl, sval = k, (0, 0)
+    vl, sval = _valid_arg(valid, k)
     dl, sdl = (dlse, dlse.stride()) if has_dlse else (k, (0, 0, 0))
 
     sk, sv, sdk, sdv = (_row_strides(t) for t in (k, v, dk, dv))
