@@ -28,7 +28,7 @@ import torch
 
 from flashswitch import _common as C
 from flashswitch.ops.chunk_summaries import chunk_summaries
-from flashswitch.ops.eva_attention import WINDOWS, eva_attention
+from flashswitch.ops.eva_attention import check_window, eva_attention
 
 MASKED = -1e30  # bias of a switched-off slot: finite, so any online softmax drops it without NaN
 
@@ -60,13 +60,7 @@ class EvaCache:
         for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("max_seq_len", max_seq_len)):
             C.check_positive_int(name, value)
-        C.check_positive_int("chunk_size", chunk_size)
-        C.check_positive_int("window_size", window_size)
-        if window_size % chunk_size:
-            raise ValueError(f"window_size must be a multiple of chunk_size, got window_size={window_size}, "
-                             f"chunk_size={chunk_size}")
-        if not isinstance(window, str) or window not in WINDOWS:
-            raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
+        check_window(chunk_size, window_size, window)
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in C.FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {C.FLOAT_DTYPES}, got {dtype}")

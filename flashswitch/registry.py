@@ -589,12 +589,7 @@ EXPERT_MATMUL_BWD = BackwardSpec(
                             p["expert_idx"].shape[1] if p.get("out_groups") is None else int(p["out_groups"]),
                             p["weight"].shape[2]), p["x"].dtype)],
     reference_args=_expert_matmul_reference_args,
-    check_cases=(
-        dict(T=20, S=4, E=6, d_in=24, d_out=16, G_out=2),
-        dict(T=13, S=6, E=10, d_in=20, d_out=12, G_in=2, G_out=1),
-        dict(T=9, S=2, E=3, d_in=16, d_out=8, gated=False, routing="duplicates"),
-        dict(T=11, S=3, E=5, d_in=8, d_out=20, G_in=3, routing="sparse"),
-    ),
+    check_cases=EXPERT_MATMUL.check_cases[:4],
     demo_case=dict(T=32, S=4, E=4, d_in=16, d_out=16, G_out=2),
     bench_shapes=EXPERT_MATMUL.bench_shapes + (
         dict(T=16384, S=6, E=10, d_in=412, d_out=76, G_out=2, gated=True),

@@ -145,6 +145,17 @@ def _backward(ctx, do, dlse):
 _eva_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def check_window(chunk_size, window_size, window) -> None:
+    """chunk_size and window_size positive ints with window_size % chunk_size == 0; window a known kind."""
+    C.check_positive_int("chunk_size", chunk_size)
+    C.check_positive_int("window_size", window_size)
+    if window_size % chunk_size:
+        raise ValueError(f"window_size must be a multiple of chunk_size, got window_size={window_size}, "
+                         f"chunk_size={chunk_size}")
+    if not isinstance(window, str) or window not in WINDOWS:
+        raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
+
+
 def _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset):
     """Check every argument; returns (scale, q_offset, bias tensor or None, log_count)."""
     C.check_tensor("q", q, ndim=4)
@@ -162,13 +173,7 @@ def _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, sum
     Nc = k_sum.shape[2]
     C.check_shape("k_sum", k_sum, (B, Hkv, Nc, D))
     C.check_shape("v_sum", v_sum, k_sum.shape)
-    C.check_positive_int("chunk_size", chunk_size)
-    C.check_positive_int("window_size", window_size)
-    if window_size % chunk_size:
-        raise ValueError(f"window_size must be a multiple of chunk_size, got window_size={window_size}, "
-                         f"chunk_size={chunk_size}")
-    if not isinstance(window, str) or window not in WINDOWS:
-        raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
+    check_window(chunk_size, window_size, window)
     if q_offset is None:
         q_offset = Nk - Nq
         if q_offset < 0:
