@@ -95,6 +95,41 @@ def _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D: tl.constexpr):
 
 
 @triton.jit
+def _load_kv_block(k_base, v_base, stride_kn, stride_vn, n0, n, limit, offs_n, offs_d, mask_d,
+                   MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """The k and v rows of the key block at position n0 through pointers: with MASK only the rows
+    n < limit (zeros elsewhere), without it every row. Shared with the backward's dQ kernel."""
+    k_ptrs = k_base + n0.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
+    v_ptrs = v_base + n0.to(tl.int64) * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
+    if MASK:
+        k, v = _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _add_summary_bias(s, n, limit, bias_base, stride_bc, Nk, C, MASK: tl.constexpr, BIAS_MODE: tl.constexpr):
+    """Base-2 logits s of summaries n plus their bias (log2(e) times it): the caller's tensor
+    (BIAS_MODE 1; with MASK read only below `limit`) or log of the chunk's token count (2). Shared with
+    the backward's dQ kernel, whose logits must match the forward's."""
+    if BIAS_MODE == 1:
+        if MASK:
+            bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=n < limit, other=0.0)
+        else:
+            bias = tl.load(bias_base + n.to(tl.int64) * stride_bc)
+        s += bias.to(tl.float32)[None, :] * 1.4426950408889634
+    elif BIAS_MODE == 2:
+        count = tl.minimum(C, Nk - n * C).to(tl.float32)                    # tokens of chunk n
+        s += tl.log2(tl.maximum(count, 1.0))[None, :]
+    return s
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
             e_lo, e_hi, origin, limit, lo_row, hi_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, row0,
             SUMMARY: tl.constexpr, MASK: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
@@ -113,33 +148,15 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, s
             v = v_base.load([row0 + n0, 0])
             if MASK:
                 v = tl.where((n < limit)[:, None], v, 0.0)
-        elif MASK:
-            k_ptrs = k_base + n0.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
-            v_ptrs = v_base + n0.to(tl.int64) * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
-            k, v = _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D)
         else:
-            k_ptrs = k_base + n0.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
-            v_ptrs = v_base + n0.to(tl.int64) * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
-            if EVEN_D:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+            k, v = _load_kv_block(k_base, v_base, stride_kn, stride_vn, n0, n, limit, offs_n, offs_d, mask_d,
+                                  MASK, EVEN_D)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)               # raw q.k
         if MASK or (SUMMARY and BIAS_MODE != 0):
             s = s * qk_scale                                                # base-2 logits
             if SUMMARY:
-                if BIAS_MODE == 1:
-                    if MASK:
-                        bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=n < limit, other=0.0)
-                    else:
-                        bias = tl.load(bias_base + n.to(tl.int64) * stride_bc)
-                    s += bias.to(tl.float32)[None, :] * 1.4426950408889634
-                elif BIAS_MODE == 2:
-                    count = tl.minimum(C, Nk - n * C).to(tl.float32)        # tokens of chunk n
-                    s += tl.log2(tl.maximum(count, 1.0))[None, :]
+                s = _add_summary_bias(s, n, limit, bias_base, stride_bc, Nk, C, MASK, BIAS_MODE)
             if MASK:
                 vis = (n[None, :] >= lo_row[:, None]) & (n[None, :] <= hi_row[:, None])
                 s = tl.where(vis, s, float("-inf"))

@@ -32,7 +32,8 @@ import triton.language as tl
 
 from flashswitch._common import new_output
 from flashswitch.kernels_triton.eva_attention import (BIAS_LOG_COUNT, BIAS_NONE, BIAS_TENSOR, MAX_HEAD_DIM,
-                                                      _load_kv, _start, _tile_blocks)
+                                                      _add_summary_bias, _load_kv, _load_kv_block, _start,
+                                                      _tile_blocks)
 
 LOG2E = 1.4426950408889634
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M_DQ", "BLOCK_N_DQ", "num_warps_dq",
@@ -282,27 +283,11 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bia
     for e in range(e_lo, e_hi):
         n0 = origin + e * BLOCK_N
         n = n0 + offs_n
-        k_ptrs = k_base + n0.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
-        v_ptrs = v_base + n0.to(tl.int64) * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
-        if MASK:
-            k, v = _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+        k, v = _load_kv_block(k_base, v_base, stride_kn, stride_vn, n0, n, limit, offs_n, offs_d, mask_d,
+                              MASK, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale          # base-2 logits
         if SUMMARY:
-            if BIAS_MODE == 1:
-                if MASK:
-                    bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=n < limit, other=0.0)
-                else:
-                    bias = tl.load(bias_base + n.to(tl.int64) * stride_bc)
-                s += bias.to(tl.float32)[None, :] * 1.4426950408889634
-            elif BIAS_MODE == 2:
-                count = tl.minimum(C, Nk - n * C).to(tl.float32)                # tokens of chunk n
-                s += tl.log2(tl.maximum(count, 1.0))[None, :]
+            s = _add_summary_bias(s, n, limit, bias_base, stride_bc, Nk, C, MASK, BIAS_MODE)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         if MASK:
             vis = (n[None, :] >= lo_row[:, None]) & (n[None, :] <= hi_row[:, None])
