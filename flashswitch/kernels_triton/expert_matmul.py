@@ -107,6 +107,66 @@ def _tile_of(off_ptr, E, pid_m, n_iter, BLOCK_M: tl.constexpr, BLOCK_E: tl.const
 
 
 @triton.jit
+def _aligned(v, DIV: tl.constexpr):
+    """v, which the host checked is a multiple of DIV, written so that the compiler sees it too
+    (sizes that are not multiples of 16 would otherwise keep loads, stores and atomics scalar)."""
+    return (v // DIV) * DIV
+
+
+@triton.jit
+def _tile_pairs(tok_ptr, slot_ptr, row0, row_end, BLOCK_M: tl.constexpr):
+    """(mask, token int64, slot) of the row tile's pairs row0 .. row0 + BLOCK_M - 1, masked at
+    row_end: loaded once per tile and shared by every gather and scatter of its rows."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    slt = tl.load(slot_ptr + rows, mask=rmask, other=0)
+    return rmask, tok, slt
+
+
+@triton.jit
+def _group_row(tok, slt, spg, stride_t, stride_g):
+    """Offset of row [t, s // spg] of a [T, G, d] tensor for each pair (t, s): slot s belongs to
+    group s // spg (spg = S / G slots per group)."""
+    return tok * stride_t + (slt // spg).to(tl.int64) * stride_g
+
+
+@triton.jit
+def _pair_gates(g_ptr, tok, slt, stride_gt, stride_gs, rmask):
+    """gates[t, s] of each pair as fp32 (0 where masked): the gate scales the pair's product."""
+    return tl.load(g_ptr + tok * stride_gt + slt * stride_gs, mask=rmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gather_gemm(a_ptr, a_row, rmask, b_ptr, e, stride_be, stride_bk, stride_bn, pid_n, K, N,
+                 EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(acc, offs_n, nmask): the fp32 [BLOCK_M, BLOCK_N] tile A[rows] · B[e][:, column tile pid_n]
+    over K, with the gathered A rows at a_ptr + a_row (unit k stride, masked by rmask) and B[e] of
+    any strides, cast to A's dtype in registers. Shared by the forward and the backward's dx GEMM,
+    which differ only in what they gather and how they store."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    a_ptrs = a_ptr + a_row[:, None] + offs_k[None, :]
+    b_ptrs = b_ptr + e.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = (offs_k + k) < K
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    return acc, offs_n, nmask
+
+
+@triton.jit
 def _expert_matmul_fwd(
     x_ptr, w_ptr, g_ptr, tok_ptr, slot_ptr, off_ptr, out_ptr,
     E, d_in, d_out, spg_in, spg_out,
@@ -122,14 +182,9 @@ def _expert_matmul_fwd(
     # Alignment the host checked but the compiler cannot see when a size is not a multiple of 16
     # (d_model 412, d_head 76): d_in and x's row strides are multiples of DIV_K; d_out, weight's
     # and out's row strides multiples of DIV_N. It lets loads, stores and atomics use vectors.
-    d_in = (d_in // DIV_K) * DIV_K
-    stride_xt = (stride_xt // DIV_K) * DIV_K
-    stride_xg = (stride_xg // DIV_K) * DIV_K
-    d_out = (d_out // DIV_N) * DIV_N
-    stride_we = (stride_we // DIV_N) * DIV_N
-    stride_wk = (stride_wk // DIV_N) * DIV_N
-    stride_ot = (stride_ot // DIV_N) * DIV_N
-    stride_og = (stride_og // DIV_N) * DIV_N
+    d_in, stride_xt, stride_xg = _aligned(d_in, DIV_K), _aligned(stride_xt, DIV_K), _aligned(stride_xg, DIV_K)
+    d_out, stride_we, stride_wk = _aligned(d_out, DIV_N), _aligned(stride_we, DIV_N), _aligned(stride_wk, DIV_N)
+    stride_ot, stride_og = _aligned(stride_ot, DIV_N), _aligned(stride_og, DIV_N)
 
     pid = tl.program_id(0)
     per_group = group_n * grid_m
@@ -144,35 +199,14 @@ def _expert_matmul_fwd(
     if e >= E:
         return
 
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
-    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    slt = tl.load(slot_ptr + rows, mask=rmask, other=0)
-    x_row = tok * stride_xt + (slt // spg_in).to(tl.int64) * stride_xg
-
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < d_out
-    a_ptrs = x_ptr + x_row[:, None] + offs_k[None, :]
-    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, d_in, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
-        else:
-            kmask = (offs_k + k) < d_in
-            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wk
+    rmask, tok, slt = _tile_pairs(tok_ptr, slot_ptr, row0, row_end, BLOCK_M)
+    x_row = _group_row(tok, slt, spg_in, stride_xt, stride_xg)
+    acc, offs_n, nmask = _gather_gemm(x_ptr, x_row, rmask, w_ptr, e, stride_we, stride_wk, stride_wn, pid_n,
+                                      d_in, d_out, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
     if HAS_GATES:
-        g = tl.load(g_ptr + tok * stride_gt + slt * stride_gs, mask=rmask, other=0.0).to(tl.float32)
-        acc = acc * g[:, None]
-    o_ptrs = out_ptr + (tok * stride_ot + (slt // spg_out).to(tl.int64) * stride_og)[:, None] + offs_n[None, :]
+        acc = acc * _pair_gates(g_ptr, tok, slt, stride_gt, stride_gs, rmask)[:, None]
+    o_ptrs = out_ptr + _group_row(tok, slt, spg_out, stride_ot, stride_og)[:, None] + offs_n[None, :]
     omask = rmask[:, None] & nmask[None, :]
     if ATOMIC:
         tl.atomic_add(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask, sem="relaxed")
@@ -218,6 +252,25 @@ def _pow2_divisor(*values: int, cap: int = 16) -> int:
     return min(cap, g & -g)
 
 
+def _row_tile_grid(E: int, P: int, BM: int, interleave: bool) -> tuple[bool, int, int, int]:
+    """(INTERLEAVE, BLOCK_E, grid_m, n_iter) of the row tiles `_tile_of` finds for P pairs of E
+    experts: the interleaved schedule only up to MAX_INTERLEAVE_E experts, grid_m the host's upper
+    bound of the tile count (module docstring), n_iter the steps of its binary search."""
+    interleave = interleave and E <= MAX_INTERLEAVE_E
+    block_e = max(16, triton.next_power_of_2(E))
+    if not interleave:
+        block_e = min(block_e, MAX_BLOCK_E)
+    return interleave, block_e, triton.cdiv(P, BM) + min(E, P), triton.cdiv(P, BM).bit_length() + 1
+
+
+def _launch_group_sum(scratch: torch.Tensor, y: torch.Tensor, R: int, d: int, spg: int) -> None:
+    """y [R, d] = scratch [R, spg, d] summed over its spg slots in slot order (`_group_sum`)."""
+    BLOCK_N = min(128, max(16, triton.next_power_of_2(d)))
+    BLOCK_R = max(1, 4096 // BLOCK_N)
+    _group_sum[(triton.cdiv(R, BLOCK_R), triton.cdiv(d, BLOCK_N))](
+        scratch, y, R, d, spg, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=4)
+
+
 def _config(config, x3, weight, S, G_out, deterministic) -> dict:
     cfg = dict(config or {})
     if any(k not in cfg for k in _KEYS):
@@ -256,12 +309,7 @@ def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
     BK = _pow2("BLOCK_K", cfg["BLOCK_K"])
     n_tiles_n = triton.cdiv(d_out, BN)
     group_n = max(1, min(int(cfg["GROUP_N"]), n_tiles_n))
-    interleave = bool(cfg["INTERLEAVE"]) and E <= MAX_INTERLEAVE_E
-    block_e = max(16, triton.next_power_of_2(E))
-    if not interleave:
-        block_e = min(block_e, MAX_BLOCK_E)
-    grid_m = triton.cdiv(P, BM) + min(E, P)
-    n_iter = triton.cdiv(P, BM).bit_length() + 1
+    interleave, block_e, grid_m, n_iter = _row_tile_grid(E, P, BM, bool(cfg["INTERLEAVE"]))
 
     reduce = cfg.get("REDUCE", "atomic")
     if reduce not in REDUCE_MODES:
@@ -303,10 +351,6 @@ def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )
     if scratch is not None:
-        R = T * G_out
-        BLOCK_N = min(128, max(16, triton.next_power_of_2(d_out)))
-        BLOCK_R = max(1, 4096 // BLOCK_N)
-        _group_sum[(triton.cdiv(R, BLOCK_R), triton.cdiv(d_out, BLOCK_N))](
-            scratch, y, R, d_out, S // G_out, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=4)
+        _launch_group_sum(scratch, y, T * G_out, d_out, S // G_out)
     elif atomic and target is not y:
         y.copy_(target)

@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flashswitch.kernels_triton.expert_matmul import (MAX_BLOCK_E, MAX_INTERLEAVE_E, _group_sum, _pow2,
-                                                       _pow2_divisor, _tile_of)
+from flashswitch.kernels_triton.expert_matmul import (_aligned, _gather_gemm, _group_row, _launch_group_sum,
+                                                       _pair_gates, _pow2, _pow2_divisor, _row_tile_grid,
+                                                       _tile_of, _tile_pairs)
 
 DX_KEYS = ("DX_BLOCK_M", "DX_BLOCK_N", "DX_BLOCK_K", "DX_INTERLEAVE", "DX_PARTIALS", "DX_num_warps",
            "DX_num_stages")
@@ -48,16 +49,10 @@ def _dx_kernel(
     # Alignment the host checked but the compiler cannot see at sizes that are not multiples of 16
     # (as in the forward): d_out and dy's row strides are multiples of DIV_K; d_in, x's and out's row
     # strides of DIV_N; weight's expert and d_in strides of DIV_W. Loads and stores then use vectors.
-    d_out = (d_out // DIV_K) * DIV_K
-    stride_dyt = (stride_dyt // DIV_K) * DIV_K
-    stride_dyg = (stride_dyg // DIV_K) * DIV_K
-    d_in = (d_in // DIV_N) * DIV_N
-    stride_xt = (stride_xt // DIV_N) * DIV_N
-    stride_xg = (stride_xg // DIV_N) * DIV_N
-    stride_ot = (stride_ot // DIV_N) * DIV_N
-    stride_og = (stride_og // DIV_N) * DIV_N
-    stride_we = (stride_we // DIV_W) * DIV_W
-    stride_wn = (stride_wn // DIV_W) * DIV_W
+    d_out, stride_dyt, stride_dyg = _aligned(d_out, DIV_K), _aligned(stride_dyt, DIV_K), _aligned(stride_dyg, DIV_K)
+    d_in, stride_xt, stride_xg = _aligned(d_in, DIV_N), _aligned(stride_xt, DIV_N), _aligned(stride_xg, DIV_N)
+    stride_ot, stride_og = _aligned(stride_ot, DIV_N), _aligned(stride_og, DIV_N)
+    stride_we, stride_wn = _aligned(stride_we, DIV_W), _aligned(stride_wn, DIV_W)
 
     # column tiles of one row tile are neighbours: the gathered dy rows are read from L2
     pid = tl.program_id(0)
@@ -67,43 +62,22 @@ def _dx_kernel(
     if e >= E:
         return
 
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
-    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    slt = tl.load(slot_ptr + rows, mask=rmask, other=0)
-    dy_row = tok * stride_dyt + (slt // spg_out).to(tl.int64) * stride_dyg
-
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < d_in
-    a_ptrs = dy_ptr + dy_row[:, None] + offs_k[None, :]
+    rmask, tok, slt = _tile_pairs(tok_ptr, slot_ptr, row0, row_end, BLOCK_M)
+    dy_row = _group_row(tok, slt, spg_out, stride_dyt, stride_dyg)
     # B[k, n] = weight[e, n, k]: the caller passes weight's strides swapped
-    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, d_out, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
-        else:
-            kmask = (offs_k + k) < d_out
-            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wk
+    acc, offs_n, nmask = _gather_gemm(dy_ptr, dy_row, rmask, w_ptr, e, stride_we, stride_wk, stride_wn, pid_n,
+                                      d_out, d_in, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
     omask = rmask[:, None] & nmask[None, :]
     if WRITE_DG:  # d gate_p partial over this program's columns: x_row(p) . z_p
-        x_row = tok * stride_xt + (slt // spg_in).to(tl.int64) * stride_xg
+        x_row = _group_row(tok, slt, spg_in, stride_xt, stride_xg)
         xv = tl.load(x_ptr + x_row[:, None] + offs_n[None, :], mask=omask, other=0.0).to(tl.float32)
         part = tl.sum(xv * acc, 1)
         pair = tok * S + slt
         tl.store(dg_ptr + pid_n.to(tl.int64) * P + pair, part, mask=rmask)
     if WRITE_DX:
         if HAS_GATES:
-            g = tl.load(g_ptr + tok * stride_gt + slt * stride_gs, mask=rmask, other=0.0).to(tl.float32)
-            acc = acc * g[:, None]
+            acc = acc * _pair_gates(g_ptr, tok, slt, stride_gt, stride_gs, rmask)[:, None]
         o_ptrs = out_ptr + (tok * stride_ot + slt.to(tl.int64) * stride_og)[:, None] + offs_n[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
@@ -121,7 +95,8 @@ def _dw_kernel(
     DIV_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # alignment hints (see _dx_kernel): d_in and x's row strides are multiples of DIV_M; d_out, dy's
-    # and out's row strides of DIV_N
+    # and out's row strides of DIV_N. Written out rather than through `_aligned`: as for the pair
+    # loads below, the inlined helper's line info alone changes how ptxas schedules this kernel.
     d_in = (d_in // DIV_M) * DIV_M
     stride_xt = (stride_xt // DIV_M) * DIV_M
     stride_xg = (stride_xg // DIV_M) * DIV_M
@@ -153,6 +128,8 @@ def _dw_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(start, end, BLOCK_K):
+        # pairs loaded inline, not through `_tile_pairs` / `_group_row`: inlined into this loop, their
+        # line info alone changes how ptxas schedules it (`_pair_gates` does not)
         rows = k0 + offs_k
         rmask = rows < end
         tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
@@ -162,7 +139,7 @@ def _dw_kernel(
         a = tl.load(x_ptr + x_row[:, None] + offs_m[None, :], mask=rmask[:, None] & mmask[None, :], other=0.0)
         b = tl.load(dy_ptr + dy_row[:, None] + offs_n[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
         if HAS_GATES:
-            g = tl.load(g_ptr + tok * stride_gt + slt * stride_gs, mask=rmask, other=0.0).to(tl.float32)
+            g = _pair_gates(g_ptr, tok, slt, stride_gt, stride_gs, rmask)
             b = (b.to(tl.float32) * g[:, None]).to(a.dtype)
         acc = tl.dot(tl.trans(a), b.to(a.dtype), acc, input_precision=DOT_PRECISION)
 
@@ -273,12 +250,7 @@ def _launch_dx(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dx, dgates, S, 
     BN = _pow2("DX_BLOCK_N", cfg["DX_BLOCK_N"])
     BK = _pow2("DX_BLOCK_K", cfg["DX_BLOCK_K"])
     n_tiles_n = triton.cdiv(d_in, BN)
-    interleave = bool(cfg["DX_INTERLEAVE"]) and E <= MAX_INTERLEAVE_E
-    block_e = max(16, triton.next_power_of_2(E))
-    if not interleave:
-        block_e = min(block_e, MAX_BLOCK_E)
-    grid_m = triton.cdiv(P, BM) + min(E, P)
-    n_iter = triton.cdiv(P, BM).bit_length() + 1
+    interleave, block_e, grid_m, n_iter = _row_tile_grid(E, P, BM, bool(cfg["DX_INTERLEAVE"]))
 
     scratch = None
     if dx is None:
@@ -310,10 +282,6 @@ def _launch_dx(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dx, dgates, S, 
         num_warps=int(cfg["DX_num_warps"]), num_stages=int(cfg["DX_num_stages"]),
     )
     if scratch is not None:
-        R = T * G_in
-        BLOCK_N = min(128, max(16, triton.next_power_of_2(d_in)))
-        BLOCK_R = max(1, 4096 // BLOCK_N)
-        _group_sum[(triton.cdiv(R, BLOCK_R), triton.cdiv(d_in, BLOCK_N))](
-            scratch, dx, R, d_in, S // G_in, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=4)
+        _launch_group_sum(scratch, dx, T * G_in, d_in, S // G_in)
     if dg_part is not None:
         _sum_into(dg_part, dgates)
