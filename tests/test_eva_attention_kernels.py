@@ -481,7 +481,7 @@ def test_property_6_merge_by_lse(backend):
 def test_property_7_scale_invariance(backend):
     p = random_problem(1, 4, 2, None, 50, 16, 2, 8, window="sliding", summary_bias="tensor", device=DEVICE)
     o, lse = _run(backend, p, scale=0.3, config=SMALL)
-    for alpha in (2.0, -0.5):
+    for alpha in (2.0, 0.5):
         o2, l2 = _run(backend, dict(p, q=alpha * p["q"]), scale=0.3 / alpha, config=SMALL)
         assert rel_error(o2, o) < 1e-5 and rel_error(l2, lse) < 1e-5
 
