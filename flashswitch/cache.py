@@ -64,7 +64,8 @@ class EvaCache:
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in C.FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {C.FLOAT_DTYPES}, got {dtype}")
-        device = torch.device("cpu" if device is None else device)
+        # "cuda" -> "cuda:0": inputs are compared with the cache's device, which must carry the index
+        device = torch.empty(0, device="cpu" if device is None else device).device
         B, Hkv, D = batch_size, num_kv_heads, head_dim
         self.batch_size, self.num_kv_heads, self.head_dim = B, Hkv, D
         self.chunk_size, self.window_size, self.window = chunk_size, window_size, window

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import DEVICE, dtypes_here
+from conftest import DEVICE, dtypes_here, kernel_backends
 from flashswitch.autotune import space
 from flashswitch.ops import eva_attention as op
 from flashswitch.ops.eva_attention import eva_attention
@@ -25,6 +25,15 @@ with_fixture = settings(suppress_health_check=list(settings().suppress_health_ch
                         + [HealthCheck.function_scoped_fixture])
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
          "BLOCK_M_DQ": 16, "BLOCK_N_DQ": 16, "num_warps_dq": 4, "num_stages_dq": 1}
+
+@pytest.fixture
+def bwd_backend():
+    """Every backend runs the same Triton backward kernels: the tests of backward tiles and configs
+    run them once, through the triton backend."""
+    if "triton" not in kernel_backends():
+        pytest.skip(f"triton is not available on {DEVICE}")
+    return "triton"
+
 
 
 def _split(p):
@@ -120,7 +129,7 @@ def test_reference_backend_gradients(case):
 @pytest.mark.parametrize("window", ["block", "sliding"])
 @pytest.mark.parametrize("C,W,bias", [(4, 32, None), (3, 9, "log_count"), (2, 30, "tensor")])
 @pytest.mark.parametrize("bm,bn,splits", [(16, 16, 1), (32, 16, 3)])
-def test_every_tile_kind(backend, window, C, W, bias, bm, bn, splits):
+def test_every_tile_kind(bwd_backend, window, C, W, bias, bm, bn, splits):
     """Small tiles on a long problem: query tiles that see a key / summary tile fully and partly (window
     and chunk edges at every offset within a tile), summaries seen by every later query, GQA, q_offset
     not tile aligned, keys before the first query."""
@@ -129,7 +138,7 @@ def test_every_tile_kind(backend, window, C, W, bias, bm, bn, splits):
     do, dlse = _upstream(p, 1)
     ins, b, rest = _split(p)
     cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits)
-    got = op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
+    got = op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
     assert len(got) == len(op.GRAD_INPUTS)
     _check(got, p, do, dlse)
 
@@ -138,7 +147,7 @@ def test_every_tile_kind(backend, window, C, W, bias, bm, bn, splits):
 @given(C=st.integers(1, 5), m=st.integers(1, 16), window=st.sampled_from(["block", "sliding"]),
        Nk=st.integers(1, 110), data=st.data(), bm=st.sampled_from([16, 32]), bn=st.sampled_from([16, 32]),
        splits=st.sampled_from([0, 1, 2, 5]))
-def test_small_tiles_match_reference(backend, C, m, window, Nk, data, bm, bn, splits):
+def test_small_tiles_match_reference(bwd_backend, C, m, window, Nk, data, bm, bn, splits):
     """16 / 32-row tiles at random query offsets and window / chunk sizes: the boundaries between fully
     and partly visible tiles fall at every offset within a tile. Summary tiles cut into 1-5 pieces
     (0: automatic), more pieces than query tiles included."""
@@ -149,7 +158,7 @@ def test_small_tiles_match_reference(backend, C, m, window, Nk, data, bm, bn, sp
     do, dlse = _upstream(p, Nq)
     ins, b, rest = _split(p)
     cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits)
-    _check(op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b), p, do, dlse)
+    _check(op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b), p, do, dlse)
 
 
 @pytest.mark.parametrize("window,C,W,Nk", [("block", 1, 1, 40), ("block", 4, 4, 37), ("sliding", 4, 4, 37),
@@ -181,7 +190,7 @@ def _space_cases():
 
 
 @pytest.mark.parametrize("dtype,decode,index", _space_cases())
-def test_explicit_configs_from_the_space(backend, dtype, decode, index):
+def test_explicit_configs_from_the_space(bwd_backend, dtype, decode, index):
     """Configs of the backward space (all on the GPU, a spread on the CPU) give right gradients."""
     tdt = {"fp32": F32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     D = 64 if GPU else 16
@@ -192,7 +201,7 @@ def test_explicit_configs_from_the_space(backend, dtype, decode, index):
                        device=DEVICE, seed=index)
     do, dlse = _upstream(p, index)
     ins, b, rest = _split(p)
-    _check(op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b), p, do, dlse)
+    _check(op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b), p, do, dlse)
 
 
 def test_backward_features_and_default():

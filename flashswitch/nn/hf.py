@@ -165,7 +165,8 @@ class EvaHFCache(Cache):
         settings = _eva_settings(config)
         n_layers = config.num_hidden_layers
         super().__init__(layers=[EvaLayerCache(max_cache_len, settings) for _ in range(n_layers)], **kwargs)
-        self.max_cache_len = max_cache_len
+        if not isinstance(getattr(type(self), "max_cache_len", None), property):  # some versions derive it
+            self.max_cache_len = max_cache_len                                      # from the layers
 
     @property
     def nbytes(self) -> int:
