@@ -192,11 +192,22 @@ def markdown(data: dict) -> str:
                    f"{r['seq_len']} | {r['ms_per_step']:.1f} | {r['final_train_loss']:.4f} | {r['final_val_loss']:.4f} | "
                    f"{r['best_val_loss']:.4f} | {r['final_val_loss'] / math.log(2):.4f} | "
                    f"{'-' if gap is None or r['variant'] == 'dense' else f'{100 * gap:+.2f}%'} |")
-    settings = {(r["size"], r["steps"], r["batch"], r["seq_len"], r["lr"], r["seed"]) for r in runs}
+    settings = {(r["size"], r["steps_planned"], r["batch"], r["seq_len"], r["lr"], r["seed"]) for r in runs}
     if len({s[0] for s in settings}) < len(settings):
         out += ["", "**The variants ran with different settings (steps, batch, T, lr or seed): their losses do not "
                     "compare.**"]
     out += ["", "gap to dense: (final val loss - dense final val loss) / dense final val loss, same size."]
+    for r in runs:  # a run stopped early: compare at the last step both logged (same schedule position)
+        d = dense.get(r["size"])
+        if not d or r is d or not (r.get("stopped_early") or d.get("stopped_early")):
+            continue
+        common = sorted({e["step"] for e in r["log"]} & {e["step"] for e in d["log"]})
+        if common:
+            at = common[-1]
+            v = next(e["val_loss"] for e in r["log"] if e["step"] == at)
+            dv = next(e["val_loss"] for e in d["log"] if e["step"] == at)
+            out.append(f"At step {at}, the last both logged: {r['variant']} val loss {v:.4f}, dense {dv:.4f}, "
+                       f"gap {100 * (v - dv) / dv:+.2f}%.")
     return "\n".join(out)
 
 
@@ -238,9 +249,10 @@ def main(argv=None) -> int:
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: none)")
     p.add_argument("--dropout", type=float, help="default: the paper config's")
     p.add_argument("--log-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--val-fraction", type=float, default=0.1)
-    p.add_argument("--max-minutes", type=float, default=3.5, help="stop a variant's training after this long")
+    p.add_argument("--max-minutes", type=float, default=3.25,
+                   help="stop a variant's training after this long (evaluations not counted)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text-file", type=Path, help="a plain-text corpus instead of the package's")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -269,3 +269,14 @@ def test_bad_flags():
         e2e_training.main(["--steps", "0"])
     with pytest.raises(SystemExit):
         e2e_text.main(["--batch", "0"])
+
+
+def test_text_table_compares_a_stopped_run_at_a_common_step():
+    def run(variant, vals, stopped):
+        log = [{"step": 4 * (i + 1), "train_loss": v, "val_loss": v} for i, v in enumerate(vals)]
+        return {"size": "47M", "variant": variant, "params": 1e6, "steps": log[-1]["step"], "steps_planned": 12,
+                "stopped_early": stopped, "batch": 4, "seq_len": 16, "lr": 1e-3, "seed": 0, "ms_per_step": 1.0,
+                "final_train_loss": vals[-1], "final_val_loss": vals[-1], "best_val_loss": min(vals), "log": log}
+    md = e2e_text.markdown({"runs": [run("switchhead", [3.0, 2.2], True), run("dense", [3.0, 2.0, 1.5], False)]})
+    assert "8 of 12 (stopped)" in md and "At step 8" in md and "gap +10.00%" in md
+    assert "do not compare" not in md
