@@ -178,8 +178,8 @@ def markdown(data: dict) -> str:
     corpus = data.get("corpus", {})
     out = [f"# Real-text run ({data.get('device', '?')})", "",
            f"Corpus: {corpus.get('source', '?')}, {corpus.get('train_bytes', 0) / 1e6:.2f} MB train / "
-           f"{corpus.get('val_bytes', 0) / 1e6:.2f} MB validation bytes (the last {corpus.get('val_fraction')} of every "
-           "text), byte tokens. Losses in nats per byte (bits per byte = nats / ln 2). Command: "
+           f"{corpus.get('val_bytes', 0) / 1e6:.2f} MB validation bytes (the last {corpus.get('val_fraction')} of "
+           "every text), byte tokens. Losses in nats per byte (bits per byte = nats / ln 2). Command: "
            "`bench/e2e_text.py --help`.", "",
            "| size | variant | params | steps | batch x T | ms/step | final train loss | final val loss | "
            "best val loss | val bits/byte | gap to dense |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -189,8 +189,8 @@ def markdown(data: dict) -> str:
         gap = (r["final_val_loss"] - d["final_val_loss"]) / d["final_val_loss"] if d else None
         steps = f"{r['steps']}" + (f" of {r['steps_planned']} (stopped)" if r.get("stopped_early") else "")
         out.append(f"| {r['size']} | {r['variant']} | {r['params'] / 1e6:.1f}M | {steps} | {r['batch']} x "
-                   f"{r['seq_len']} | {r['ms_per_step']:.1f} | {r['final_train_loss']:.4f} | {r['final_val_loss']:.4f} | "
-                   f"{r['best_val_loss']:.4f} | {r['final_val_loss'] / math.log(2):.4f} | "
+                   f"{r['seq_len']} | {r['ms_per_step']:.1f} | {r['final_train_loss']:.4f} | "
+                   f"{r['final_val_loss']:.4f} | {r['best_val_loss']:.4f} | {r['final_val_loss'] / math.log(2):.4f} | "
                    f"{'-' if gap is None or r['variant'] == 'dense' else f'{100 * gap:+.2f}%'} |")
     settings = {(r["size"], r["steps_planned"], r["batch"], r["seq_len"], r["lr"], r["seed"]) for r in runs}
     if len({s[0] for s in settings}) < len(settings):

@@ -175,6 +175,10 @@ def _f(v, fmt: str, unit: str = "") -> str:
     return "-" if v is None else format(v, fmt) + unit
 
 
+def _size(name: str) -> int:
+    return E.SIZES.index(name) if name in E.SIZES else len(E.SIZES)
+
+
 def _index(rows, *keys):
     return {tuple(r.get(k) for k in keys): r for r in rows if r.get("ms") is not None}
 
@@ -188,11 +192,12 @@ def markdown(data: dict) -> str:
         out += ["## MACs per token (forward) and the speedup over dense that MAC-proportional kernels reach", "",
                 "| size | T | variant | MMAC/token | attention MMAC/token | ideal speedup | attention ideal speedup |",
                 "|---|---|---|---|---|---|---|"]
-        for r in sorted(macs, key=lambda r: (r["size"], r["seq_len"], models.VARIANTS.index(r["variant"]))):
+        for r in sorted(macs, key=lambda r: (_size(r["size"]), r["seq_len"], models.VARIANTS.index(r["variant"]))):
             out.append(f"| {r['size']} | {r['seq_len']} | {r['variant']} | {r['macs_per_token'] / 1e6:.4g} | "
                        f"{r['attention_macs_per_token'] / 1e6:.4g} | {r['ideal_speedup']:.2f}x | "
                        f"{r['attention_ideal_speedup']:.2f}x |")
-        out.append("")
+        out += ["", "ideal speedup: dense MACs / variant MACs per token (whole model, output layer included; "
+                "attention: the attention layers alone). A training step costs about 3x the forward MACs.", ""]
     if mrows:
         idx = _index(mrows, "size", "variant", "impl", "seq_len", "tokens")
         ideal = {(r["size"], r["variant"], r["seq_len"]): r["ideal_speedup"] for r in macs}
@@ -203,7 +208,7 @@ def markdown(data: dict) -> str:
                 "| size | T | B | variant | impl | step ms | k tokens/s | peak GiB | model TFLOP/s | ideal speedup "
                 "| speedup vs dense | % of ideal | vs paper |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         order = {v: i for i, v in enumerate(models.VARIANTS)}
-        for r in sorted(mrows, key=lambda r: (r["size"], r["seq_len"], order.get(r["variant"], 9),
+        for r in sorted(mrows, key=lambda r: (_size(r["size"]), r["seq_len"], order.get(r["variant"], 9),
                                               E.IMPLS.index(r["impl"]) if r["impl"] in E.IMPLS else 9)):
             head = f"| {r['size']} | {r['seq_len']} | {r.get('batch', '-')} | {r['variant']} | {r['impl']} |"
             if r.get("ms") is None:
@@ -224,7 +229,7 @@ def markdown(data: dict) -> str:
         out += [f"## Attention layer alone, forward + backward, autocast {data.get('amp')}", "",
                 "| width | layer | impl | T | B | ms | MMAC/token | ideal speedup | speedup vs dense | vs paper |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(lrows, key=lambda r: (r["size"], r["seq_len"], r["layer"], r["impl"])):
+        for r in sorted(lrows, key=lambda r: (_size(r["size"]), r["seq_len"], r["layer"], r["impl"])):
             head = f"| {r['size']} | {r['layer']} | {r['impl']} | {r['seq_len']} | {r.get('batch', '-')} |"
             if r.get("ms") is None:
                 out.append(f"{head} {r.get('error', 'not run')} | | | | |")
@@ -330,7 +335,7 @@ def main(argv=None) -> int:
         sections["layers"] = layer_rows(args, device)
         sections["macs"] += [r for r in mac_rows([args.layer_size], args.layer_seq_lens)
                              if r["size"] not in args.sizes or r["seq_len"] not in args.seq_lens]
-    header = {**E.env_info(device), "amp": str(E.amp_dtype(device)).replace("torch.", ""), "created": E.now()}
+    header = {**E.env_info(device), "amp": str(E.amp_dtype(device) or "none (fp32)").replace("torch.", ""), "created": E.now()}
     data = E.merge_json(folder / f"{NAME}.json", sections, KEYS, header)
     for path in write_outputs(data, folder):
         print(f"wrote {path}")
