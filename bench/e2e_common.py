@@ -1,0 +1,174 @@
+"""What the end-to-end scripts (e2e_training.py, e2e_text.py) share: model building per size and
+implementation, the optimizer, one training step, step timing and merging partial runs into a JSON.
+
+Sizes: the papers' "47M" and "262M" (flashswitch.nn.models), and "tiny", a 2-layer toy of each
+variant for smoke runs on the CPU. Implementations ("impls") of the same model:
+  flashswitch  the library's layers (SDPA causal flash path, op-3 kernels; the reference on the CPU)
+  paper        attention as the SwitchHead paper's code writes it (bench/paper_attention.py), experts
+               still through op 3
+  paper_torch  paper-style attention and every op on the PyTorch reference (one GEMM per expert in
+               fp32): no flashswitch kernel at all
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+for p in (str(ROOT), str(BENCH_DIR)):
+    if p not in sys.path:  # a checkout used without installing the package
+        sys.path.insert(0, p)
+
+import torch  # noqa: E402
+
+from flashswitch.nn import models  # noqa: E402
+from paper_attention import to_paper_style  # noqa: E402
+
+SIZES = ("tiny",) + models.SIZES
+IMPLS = ("flashswitch", "paper", "paper_torch")
+# the tiny toy: every variant keeps its kind of layers (heads x experts, sigma-MoE), at toy widths
+_TINY = dict(common=dict(vocab_size=64, d_model=32, n_layers=2, context=32, dropout=0.0),
+             dense=dict(n_heads=4, head_dim=8, d_ff=64),
+             switchhead=dict(n_heads=2, head_dim=8, att_experts=3, att_k=2, d_ff=64),
+             switchall=dict(n_heads=2, head_dim=8, att_experts=3, att_k=2, moe_experts=4, moe_expert_dim=16,
+                            moe_k=2, moe_entropy_reg=1e-4))
+
+
+def model_config(size: str, variant: str, **overrides) -> models.ModelConfig:
+    if size == "tiny":
+        if variant not in models.VARIANTS:
+            raise ValueError(f"variant must be one of {models.VARIANTS}, got {variant!r}")
+        return models.ModelConfig(**{**_TINY["common"], **_TINY[variant], **overrides})
+    return models.paper_config(size, variant, **overrides)
+
+
+def build(size: str, variant: str, impl: str = "flashswitch", *, device="cpu", **overrides) -> models.DecoderLM:
+    """The model of (size, variant) run the way `impl` says, fp32 parameters on `device`."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "paper_torch":
+        overrides.setdefault("backend", "reference")
+    model = models.DecoderLM(model_config(size, variant, **overrides), device=device)
+    return to_paper_style(model) if impl != "flashswitch" else model
+
+
+def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """AdamW over fp32 master weights; the fused implementation where this torch has it for the device."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    except (RuntimeError, ValueError, TypeError):
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def amp_dtype(device) -> torch.dtype | None:
+    """bf16 autocast on CUDA; none on the CPU (the Triton interpreter and the CPU tests run fp32)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else None
+
+
+def train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | None = None, clip: float | None = None,
+               scheduler=None) -> torch.Tensor:
+    """One step: forward (autocast to `amp` when given), backward, optional gradient clipping, AdamW.
+    Returns the loss as a detached device tensor (no host sync)."""
+    with torch.autocast(tokens.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+        loss = model.loss(tokens)
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    if scheduler is not None:
+        scheduler.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def time_calls(fn, *, warmup: int, reps: int, device) -> list[float]:
+    """Milliseconds of each of `reps` calls of fn after `warmup` calls: CUDA events around each call on
+    a GPU (back to back, one synchronisation at the end), perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    if torch.device(device).type != "cuda":
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in ev]
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def env_info(device) -> dict:
+    info = {"device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def device_slug(name: str) -> str:
+    from flashswitch.autotune import store
+    return store.device_slug(name)
+
+
+def default_out_dir(device) -> Path:
+    return BENCH_DIR / "results" / device_slug(env_info(device)["device"])
+
+
+def merge_json(path: Path, sections: dict[str, list[dict]], keys: dict[str, tuple], header: dict) -> dict:
+    """Merge `sections` ({name: rows}) into the JSON at `path`: a new row replaces the stored row with the
+    same values of keys[name], other stored rows stay (so a run split by flags adds up). Returns the
+    merged data, also written to `path`."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    for name, rows in sections.items():
+        key = keys[name]
+        kept = {tuple(r.get(k) for k in key): r for r in data.get(name, [])}
+        for r in rows:
+            kept[tuple(r.get(k) for k in key)] = r
+        data[name] = list(kept.values())
+    data.update(header)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def free_memory(device) -> None:
+    """Before a new case on a GPU: the last case's memory back to the device, peak statistics reset
+    (a CPU run skips it: the collection costs more than its toy cases)."""
+    if torch.device(device).type == "cuda":
+        import gc
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def now() -> str:
+    import datetime
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
