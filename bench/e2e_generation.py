@@ -52,6 +52,7 @@ import torch  # noqa: E402
 from flashswitch.nn.llama import LLAMA_SHAPES, LlamaLM, StaticKVCache, macs_per_token  # noqa: E402
 
 NAME = "e2e_generation"
+DEVICE = "cuda"
 METHODS = {
     "sdpa": dict(attention="sdpa"),
     "eva-sliding": dict(attention="eva", chunk_size=32, window_size=256, window="sliding"),
@@ -61,7 +62,7 @@ CONTEXTS = (4096, 16384, 32768)
 BATCHES = ("1", "16", "max")
 WARM_REPLAYS = 3
 RESERVE = 2 << 30          # kept free under the budget: cuBLAS workspaces, allocator rounding
-BACKOFF = 0.85
+BACKOFF = (0.85, 0.85, 0.85, 0.5, 0.5, 0.5, 0.5)  # batch factor after each OOM: near the estimate, then halving
 GiB, MiB = float(1 << 30), float(1 << 20)
 
 
@@ -141,8 +142,9 @@ def _fmt(v, spec: str, missing: str = "-") -> str:
 def write_tables(data: dict, folder: Path) -> Path:
     rows = data.get("rows", [])
     ideal = {(r["size"], r["context"], r["method"]): r["ideal_speedup"] for r in data.get("macs", [])}
-    pre = {(r["size"], r["context"], r["method"]): r for r in rows if r["kind"] == "prefill"}
-    dec = {(r["size"], r["context"], r["method"], r["batch_label"]): r for r in rows if r["kind"] == "decode"}
+    ran = [r for r in rows if not r.get("error")]
+    pre = {(r["size"], r["context"], r["method"]): r for r in ran if r["kind"] == "prefill"}
+    dec = {(r["size"], r["context"], r["method"], r["batch_label"]): r for r in ran if r["kind"] == "decode"}
     env = next((r for r in rows if r.get("device")), {})
     lines = [f"# End-to-end generation on {env.get('device', '?')}", "",
              f"`bench/e2e_generation.py`: Llama-style decoders with random weights (bf16), torch "
@@ -193,6 +195,11 @@ def _pyplot():
     return plt
 
 
+def _plain():
+    from matplotlib.ticker import FuncFormatter
+    return FuncFormatter(lambda v, _: f"{v:g}")
+
+
 def plot_throughput(data: dict, folder: Path) -> Path | None:
     """Decode tokens/s vs batch: one panel per (size, context), one line per method."""
     dec = [r for r in data.get("rows", []) if r["kind"] == "decode" and r.get("tokens_per_s")]
@@ -212,9 +219,13 @@ def plot_throughput(data: dict, folder: Path) -> Path | None:
                              if (r["size"], r["context"], r["method"]) == (size, n, m))
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+            ax.set_title(f"{size}, context {n}", fontsize=9)
+            if not ax.get_lines():
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
+                continue
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_title(f"{size}, context {n}", fontsize=9)
+            ax.xaxis.set_major_formatter(_plain())
             ax.set_xlabel("batch")
             ax.set_ylabel("decode tokens/s")
             ax.grid(True, which="both", alpha=0.3)
@@ -247,12 +258,17 @@ def plot_memory(data: dict, folder: Path) -> Path | None:
                 axes[1][j].plot([p[0] for p in peak], [p[1] for p in peak], marker="o", label=m)
         for ax, what in ((axes[0][j], "KV cache MiB / sequence"), (axes[1][j], "peak GiB, decode at batch 16")):
             ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted({r["context"] for r in dec if r["size"] == size}))
+            ax.xaxis.set_major_formatter(_plain())
+            ax.minorticks_off()
             ax.set_xlabel("context (prompt tokens)")
             ax.set_ylabel(what)
             ax.set_title(size, fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
+            if ax.get_lines():
+                ax.legend(fontsize=7)
         axes[0][j].set_yscale("log")
+        axes[1][j].set_ylim(bottom=0)
     fig.tight_layout()
     out = Path(folder) / f"{NAME}_memory.png"
     fig.savefig(out)
@@ -274,17 +290,17 @@ def free_memory() -> None:
 def flash_decode_works() -> bool:
     """Whether the flash variable-length decode runs here and equals the masked SDPA decode."""
     try:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        caches = [StaticKVCache(3, 2, 64, max_seq_len=80, dtype=torch.bfloat16, device="cuda", decode=d)
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        caches = [StaticKVCache(3, 2, 64, max_seq_len=80, dtype=torch.bfloat16, device=DEVICE, decode=d)
                   for d in ("flash", "masked")]
-        q, k, v = (torch.randn(3, h, 70, 64, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
+        q, k, v = (torch.randn(3, h, 70, 64, device=DEVICE, dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
         outs = []
         for c in caches:
-            c.prefill(q[:, :, :69], k[:, :, :69], v[:, :, :69], lengths=torch.tensor([69, 40, 1], device="cuda"))
+            c.prefill(q[:, :, :69], k[:, :, :69], v[:, :, :69], lengths=torch.tensor([69, 40, 1], device=DEVICE))
             outs.append(c.step(q[:, :, 69:], k[:, :, 69:], v[:, :, 69:]).float())
         return bool((outs[0] - outs[1]).abs().max() < 2e-2)
-    except RuntimeError as err:
-        print(f"flash decode unavailable ({err}); the sdpa method decodes with masked SDPA")
+    except Exception as err:  # an older torch without seqused_k, no flash kernel for this GPU, ...
+        print(f"flash decode unavailable ({str(err).splitlines()[0]}); the sdpa method decodes with masked SDPA")
         return False
 
 
@@ -317,8 +333,8 @@ def sdpa_context(method: str):
 
 def run_prefill(model, method: str, P: int, max_len: int, reps: int, seed: int):
     """(row, batch-1 caches holding the prompt, the first decoded token [1, 1])."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    prompt = torch.randint(0, model.cfg.vocab_size, (1, P), device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, P), device=DEVICE, generator=g)
     caches = model.new_cache(1, max_len)
     out = {}
 
@@ -396,7 +412,7 @@ def run_max_batch(model, src_caches, first_token, P, max_len, steps, budget, att
         try:
             row = run_decode(model, src_caches, first_token, B, P, max_len, steps)
         except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
-            if not is_oom(err) or B == 1:
+            if not is_oom(err) or B == 1 or len(tries) == len(BACKOFF):
                 raise
             failed = True
         if not failed:
@@ -404,10 +420,12 @@ def run_max_batch(model, src_caches, first_token, P, max_len, steps, budget, att
         tries.append(B)
         free_memory()
         print(f"    batch {B}: out of memory, backing off", flush=True)
-        B = max(1, int(B * BACKOFF))
+        B = max(1, int(B * BACKOFF[len(tries) - 1]))
 
 
-def run(args) -> list[dict]:
+def run(args, save) -> list[dict]:
+    """Every case of `args`; `save(rows)` is called with the rows so far after each (size, method,
+    context), so a run cut short keeps what it finished."""
     from common import env_info, now
     total = torch.cuda.get_device_properties(0).total_memory
     budget = min(int(args.budget_gb * 1e9), total)
@@ -418,7 +436,7 @@ def run(args) -> list[dict]:
     t_start = time.time()
     for size in args.sizes:
         cfg = LLAMA_SHAPES[size]
-        model = LlamaLM(cfg, device="cuda", dtype=torch.bfloat16, seed=args.seed)
+        model = LlamaLM(cfg, device=DEVICE, dtype=torch.bfloat16, seed=args.seed)
         for method in args.methods:
             kw = dict(METHODS[method])
             attention = kw.pop("attention")
@@ -456,6 +474,7 @@ def run(args) -> list[dict]:
                           f"{r['peak_bytes'] / GiB:6.1f} GiB{'' if r['finite'] and r['lengths_ok'] else '  CHECK FAILED'}"
                           f"   [{time.time() - t_start:5.0f} s]", flush=True)
                     free_memory()
+                save(rows)
                 del src, first
                 free_memory()
         del model
@@ -502,12 +521,19 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("the generation benchmark needs a CUDA GPU (--macs-only and --plot-only run without one)")
         return 2
-    rows = run(args)
     folder = args.out or results_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{NAME}.json"
-    data = merge(path, rows, macs)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+
+    def save(rows):
+        data = merge(path, rows, macs)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(path)
+        return data
+
+    rows = run(args, save)
+    data = save(rows)
     print(f"wrote {path}")
     for p in render(data, folder):
         print(f"wrote {p}")
