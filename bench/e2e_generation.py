@@ -423,6 +423,48 @@ def run_max_batch(model, src_caches, first_token, P, max_len, steps, budget, att
         B = max(1, int(B * BACKOFF[len(tries) - 1]))
 
 
+def attempt(fn):
+    """(fn(), None), or (None, the error's first line) when it runs out of memory or fails on the
+    device; memory is freed once the exception (and the frames it holds) is gone."""
+    try:
+        return fn(), None
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
+        text = (str(err).splitlines() or [type(err).__name__])[0]
+    free_memory()
+    return None, text
+
+
+def run_context(model, method, attention, P, args, budget, base, t_start) -> list[dict]:
+    """The prefill and every decode batch of one (size, method, context)."""
+    max_len = P + 1 + WARM_REPLAYS + args.steps
+    out, err = attempt(lambda: run_prefill(model, method, P, max_len, args.reps, args.seed))
+    if err:
+        print(f"{base['size']} {method} P={P}: prefill failed: {err}", flush=True)
+        return [{**base, "kind": "prefill", "batch_label": "1", "error": err}]
+    row, src, first = out
+    rows = [{**base, **row}]
+    print(f"{base['size']:13s} {method:12s} P={P:6d} prefill {row['ms']:9.2f} ms  peak "
+          f"{row['peak_bytes'] / GiB:6.1f} GiB   [{time.time() - t_start:5.0f} s]", flush=True)
+    for label in args.batches:
+        if label == "max":
+            r, err = attempt(lambda: run_max_batch(model, src, first, P, max_len, args.steps, budget, attention))
+        else:
+            r, err = attempt(lambda: run_decode(model, src, first, int(label), P, max_len, args.steps))
+        if err:
+            print(f"{base['size']} {method} P={P} batch {label}: failed: {err}", flush=True)
+            rows.append({**base, "kind": "decode", "batch_label": label, "error": err})
+            continue
+        rows.append({**base, **r, "batch_label": label})
+        ok = r["finite"] and r["lengths_ok"]
+        print(f"{'':36s} decode B={r['batch']:5d} {r['ms']:7.2f} ms/step {r['tokens_per_s']:10.0f} tok/s  KV "
+              f"{r['kv_bytes_per_seq'] / MiB:8.1f} MiB/seq  peak {r['peak_bytes'] / GiB:6.1f} GiB"
+              f"{'' if ok else '  CHECK FAILED'}   [{time.time() - t_start:5.0f} s]", flush=True)
+        free_memory()
+    del src, first
+    free_memory()
+    return rows
+
+
 def run(args, save) -> list[dict]:
     """Every case of `args`; `save(rows)` is called with the rows so far after each (size, method,
     context), so a run cut short keeps what it finished."""
@@ -444,39 +486,10 @@ def run(args, save) -> list[dict]:
                 kw["decode"] = "flash" if flash else "masked"
             model.set_attention(attention, **kw)
             for P in args.contexts:
-                max_len = P + 1 + WARM_REPLAYS + args.steps
                 base = {"size": size, "method": method, "context": P, "settings": METHODS[method],
                         "decode_kernel": kw.get("decode", "eva"), **env, "created": now()}
-                try:
-                    row, src, first = run_prefill(model, method, P, max_len, args.reps, args.seed)
-                except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
-                    rows.append({**base, "kind": "prefill", "batch_label": "1", "error": str(err).splitlines()[0]})
-                    print(f"{size} {method} P={P}: prefill failed: {err}", flush=True)
-                    free_memory()
-                    continue
-                rows.append({**base, **row})
-                print(f"{size:13s} {method:12s} P={P:6d} prefill {row['ms']:9.2f} ms  peak "
-                      f"{row['peak_bytes'] / GiB:6.1f} GiB   [{time.time() - t_start:5.0f} s]", flush=True)
-                for label in args.batches:
-                    try:
-                        if label == "max":
-                            r = run_max_batch(model, src, first, P, max_len, args.steps, budget, attention)
-                        else:
-                            r = run_decode(model, src, first, int(label), P, max_len, args.steps)
-                    except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
-                        rows.append({**base, "kind": "decode", "batch_label": label, "error": str(err).splitlines()[0]})
-                        print(f"{size} {method} P={P} batch {label}: failed: {err}", flush=True)
-                        free_memory()
-                        continue
-                    rows.append({**base, **r, "batch_label": label})
-                    print(f"{'':13s} {'':12s} {'':8s} decode B={r['batch']:5d} {r['ms']:7.2f} ms/step "
-                          f"{r['tokens_per_s']:10.0f} tok/s  KV {r['kv_bytes_per_seq'] / MiB:8.1f} MiB/seq  peak "
-                          f"{r['peak_bytes'] / GiB:6.1f} GiB{'' if r['finite'] and r['lengths_ok'] else '  CHECK FAILED'}"
-                          f"   [{time.time() - t_start:5.0f} s]", flush=True)
-                    free_memory()
+                rows += run_context(model, method, attention, P, args, budget, base, t_start)
                 save(rows)
-                del src, first
-                free_memory()
         del model
         free_memory()
     return rows

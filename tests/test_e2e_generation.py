@@ -236,7 +236,7 @@ def test_flash_decode_equals_masked_decode():
 @pytest.mark.parametrize("attention", ["sdpa", "eva"])
 def test_captured_model_step_equals_eager(attention):
     """The benchmark's decode: one captured model step replayed token after token == eager steps (bf16)."""
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=64,
                       intermediate_size=512)
     kw = dict(decode="flash") if attention == "sdpa" else dict(chunk_size=16, window_size=64, window="sliding")
     model = LlamaLM(cfg, attention=attention, device="cuda", dtype=torch.bfloat16, **kw)
