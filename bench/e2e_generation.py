@@ -84,7 +84,8 @@ def macs_rows(sizes, contexts, methods) -> list[dict]:
 
 
 def print_macs(rows: list[dict]) -> None:
-    print(f"{'size':14s} {'context':>8s} {'method':12s} {'GMAC/token':>10s} {'attention %':>11s} {'ideal prefill speedup':>22s}")
+    print(f"{'size':14s} {'context':>8s} {'method':12s} {'GMAC/token':>10s} {'attention %':>11s} "
+          f"{'ideal prefill speedup':>22s}")
     for r in rows:
         print(f"{r['size']:14s} {r['context']:8d} {r['method']:12s} {r['macs_per_token'] / 1e9:10.3f} "
               f"{100 * r['attention_share']:10.1f}% {r['ideal_speedup']:21.2f}x")
@@ -179,7 +180,8 @@ def write_tables(data: dict, folder: Path) -> Path:
             for r in failed)]
     if data.get("macs"):
         lines += ["", "## Ideal prefill speedup from MACs per token", "",
-                  "| size | context | method | GMAC / token | attention share | ideal speedup |", "|---|---:|---|---:|---:|---:|"]
+                  "| size | context | method | GMAC / token | attention share | ideal speedup |",
+                  "|---|---:|---|---:|---:|---:|"]
         for r in data["macs"]:
             lines.append(f"| {r['size']} | {r['context']} | {r['method']} | {r['macs_per_token'] / 1e9:.3f} | "
                          f"{100 * r['attention_share']:.1f}% | {r['ideal_speedup']:.2f}x |")
@@ -496,7 +498,8 @@ def run(args, save) -> list[dict]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=list(LLAMA_SHAPES), choices=list(LLAMA_SHAPES))
     ap.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS), help="prompt lengths")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))

@@ -241,7 +241,8 @@ def test_captured_model_step_equals_eager(attention):
     kw = dict(decode="flash") if attention == "sdpa" else dict(chunk_size=16, window_size=64, window="sliding")
     model = LlamaLM(cfg, attention=attention, device="cuda", dtype=torch.bfloat16, **kw)
     B, P, T = 3, 150, 20
-    tokens = torch.randint(0, cfg.vocab_size, (B, P + T), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    g = torch.Generator("cuda").manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (B, P + T), device="cuda", generator=g)
     with torch.no_grad():
         eager, graphed = model.new_cache(B, P + T), model.new_cache(B, P + T)
         for c in (eager, graphed):

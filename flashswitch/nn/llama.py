@@ -195,7 +195,8 @@ class SdpaAttention(nn.Module):
         head_dim = hidden_size // num_heads if head_dim is None else head_dim
         if decode not in DECODE_KERNELS:
             raise ValueError(f"decode must be one of {DECODE_KERNELS}, got {decode!r}")
-        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.decode = decode
         kw = dict(device=device, dtype=dtype, bias=False)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, **kw)
