@@ -1,0 +1,277 @@
+"""flashswitch.nn.llama and bench/e2e_generation.py: the decoder's generation (prefill, then single- and
+multi-token steps) gives the logits of its full-sequence forward, with EVA on an EvaCache (reference
+backend; Triton under the interpreter on the CPU) and with exact attention on a StaticKVCache (masked
+SDPA; on the GPU also the flash decode kernel and CUDA-graph replay); an EVA model whose window covers
+the sequence equals the exact one (the two attention paths cross-check); the MAC count on hand-counted
+cases; the benchmark's --help, its merging of partial runs and its tables and plots; and (GPU only) a
+short run of the benchmark itself.
+"""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from conftest import DEVICE, kernel_backends
+from flashswitch.nn.llama import (LLAMA_SHAPES, LlamaConfig, LlamaLM, SdpaAttention, StaticKVCache, keys_per_query,
+                                  macs_per_token)
+from flashswitch.testing import assert_close
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = LlamaConfig(vocab_size=40, hidden_size=24, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=6,
+                   intermediate_size=32, tie_embeddings=False)
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("e2e_generation", ROOT / "bench" / "e2e_generation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_model(attention="sdpa", seed=0, dtype=torch.float32, cfg=TINY, **kw):
+    model = LlamaLM(cfg, attention=attention, seed=seed, device=DEVICE, dtype=dtype, **kw)
+    with torch.no_grad():  # weights large enough that attention is far from uniform: position errors show
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(15.0)
+    return model
+
+
+def generate(model, tokens, P, steps, lengths=None):
+    """Logits of the prefill of tokens[:, :P] then of steps of the given sizes, concatenated."""
+    B, N = tokens.shape
+    cache = model.new_cache(B, N)
+    outs = [model(tokens[:, :P], cache, lengths=lengths)]
+    at = P
+    for n in steps:
+        outs.append(model(tokens[:, at:at + n], cache))
+        at += n
+    return torch.cat(outs, 1)
+
+
+def check_generation(model, P, steps, ragged, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    B, N = 2, P + sum(steps)
+    tokens = torch.randint(0, model.cfg.vocab_size, (B, N), generator=g).to(DEVICE)
+    lengths = torch.tensor([P, max(1, P - 3)] if ragged else [P, P])
+    with torch.no_grad():
+        got = generate(model, tokens, P, steps, lengths.to(DEVICE) if ragged else None)
+        for b in range(B):
+            L = int(lengths[b])
+            seq = torch.cat([tokens[b:b + 1, :L], tokens[b:b + 1, P:]], 1)  # sequence b without its padding
+            want = model(seq)
+            assert_close(f"logits (sequence {b})", torch.cat([got[b:b + 1, :L], got[b:b + 1, P:]], 1), want, dtype)
+
+
+# ---------------------------------------------------------------- generation == full forward
+@given(window=st.sampled_from(["block", "sliding"]), C=st.sampled_from([1, 2, 3]), Wc=st.sampled_from([1, 2]),
+       P=st.integers(1, 9), steps=st.lists(st.sampled_from([1, 1, 2]), min_size=1, max_size=6), ragged=st.booleans(),
+       seed=st.integers(0, 99))
+def test_eva_generation_matches_full_forward(window, C, Wc, P, steps, ragged, seed):
+    model = make_model("eva", seed=seed, chunk_size=C, window_size=C * Wc, window=window, backend="reference")
+    check_generation(model, P, steps, ragged, seed)
+
+
+@pytest.mark.parametrize("backend", kernel_backends())
+def test_eva_generation_on_kernels(backend):
+    """The same through the kernels (Triton under the interpreter on the CPU): one case, token by token."""
+    model = make_model("eva", chunk_size=2, window_size=4, window="sliding", backend=backend)
+    check_generation(model, 5, [1] * 4, ragged=True)
+
+
+@given(P=st.integers(1, 9), steps=st.lists(st.sampled_from([1, 1, 2, 3]), min_size=1, max_size=6),
+       ragged=st.booleans(), seed=st.integers(0, 99))
+def test_static_cache_generation_matches_full_forward(P, steps, ragged, seed):
+    check_generation(make_model("sdpa", seed=seed), P, steps, ragged, seed)
+
+
+@pytest.mark.parametrize("window", ["block", "sliding"])
+def test_wide_window_eva_model_equals_exact_model(window):
+    """With W >= N, EVA is exact attention: the EVA model (set_attention, shared weights) gives the
+    SDPA model's logits, full forward and token-by-token."""
+    model = make_model("sdpa")
+    tokens = torch.randint(0, TINY.vocab_size, (2, 14), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad():
+        exact, exact_gen = model(tokens), generate(model, tokens, 6, [1] * 8)
+        weights = {n: p for n, p in model.named_parameters()}
+        model.set_attention("eva", chunk_size=2, window_size=16, window=window, backend="reference")
+        assert all(p is weights[n] for n, p in model.named_parameters())
+        assert_close("full forward", model(tokens), exact, torch.float32)
+        assert_close("generation", generate(model, tokens, 6, [1] * 8), exact_gen, torch.float32)
+        model.set_attention("eva", chunk_size=2, window_size=4, window=window, backend="reference")
+        assert (model(tokens) - exact).abs().max() > 1e-3  # a window shorter than N changes the logits
+
+
+def test_last_only_picks_each_sequences_last_position():
+    model = make_model("sdpa")
+    tokens = torch.randint(0, TINY.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    lengths = torch.tensor([7, 4], device=DEVICE)
+    with torch.no_grad():
+        full = model(tokens)
+        last = model(tokens, model.new_cache(2, 7), lengths=lengths, last_only=True)
+    assert last.shape == (2, 1, TINY.vocab_size)
+    assert_close("last", last[:, 0], torch.stack([full[0, 6], full[1, 3]]), torch.float32)
+
+
+def test_weights_depend_on_names_and_seed_only():
+    a, b = LlamaLM(TINY, seed=3), LlamaLM(TINY, attention="eva", chunk_size=2, window_size=4, seed=3)
+    for (na, pa), (nb, pb) in zip(sorted(a.named_parameters()), sorted(b.named_parameters())):
+        assert na == nb and torch.equal(pa, pb)
+    assert not torch.equal(LlamaLM(TINY, seed=4).embed.weight, a.embed.weight)
+    assert sum(p.numel() for p in a.parameters()) == TINY.num_params()
+    assert LLAMA_SHAPES["llama-1b"].num_params() == 1_235_814_400  # Llama 3.2 1B's count
+    assert LLAMA_SHAPES["smollm2-135m"].num_params() == 134_515_008
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="attention"):
+        LlamaLM(TINY, attention="linear")
+    with pytest.raises(ValueError, match="chunk_size"):
+        LlamaLM(TINY, attention="eva")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        LlamaConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4,
+                    intermediate_size=8)
+    with pytest.raises(ValueError, match="decode"):
+        StaticKVCache(1, 1, 4, max_seq_len=4, decode="paged")
+    with pytest.raises(TypeError, match="tokens"):
+        LlamaLM(TINY)(torch.zeros(1, 3))
+    attn = SdpaAttention(8, 2, num_kv_heads=1)
+    cache = attn.new_cache(1, 3)
+    with torch.no_grad():
+        attn(torch.randn(1, 3, 8), cache)
+        with pytest.raises(ValueError, match="max_seq_len"):
+            attn(torch.randn(1, 1, 8), cache)
+
+
+# ---------------------------------------------------------------- cost
+def test_keys_per_query_counts_the_spec_rule():
+    """Hand-counted N=8, C=2, W=4 (SPEC op 2: exact keys [start(t), t], summaries c < start(t)/C)."""
+    assert keys_per_query(8) == 4.5
+    assert keys_per_query(8, attention="eva", chunk_size=2, window_size=4, window="block") == 28 / 8
+    assert keys_per_query(8, attention="eva", chunk_size=2, window_size=4, window="sliding") == 32 / 8
+    for window in ("block", "sliding"):  # a window covering the sequence is exact attention
+        assert keys_per_query(100, attention="eva", chunk_size=4, window_size=128, window=window) == keys_per_query(100)
+
+
+def test_macs_ideal_speedup_grows_with_context():
+    cfg = LLAMA_SHAPES["llama-1b"]
+    eva = dict(attention="eva", chunk_size=32, window_size=256, window="sliding")
+    m = macs_per_token(cfg, 4096)
+    assert m["projections"] == 16 * 2048 * 64 * (2 * 32 + 2 * 8) and m["mlp"] == 16 * 3 * 2048 * 8192
+    ratios = [macs_per_token(cfg, n)["total"] / macs_per_token(cfg, n, **eva)["total"] for n in (4096, 16384, 32768)]
+    assert 1 < ratios[0] < ratios[1] < ratios[2] < 3
+
+
+# ---------------------------------------------------------------- the benchmark script
+def test_bench_help():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e_generation.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--sizes", "--contexts", "--methods", "--steps", "--batches", "--budget-gb"):
+        assert flag in out.stdout
+
+
+def fake_rows():
+    rows = []
+    for method in ("sdpa", "eva-sliding"):
+        for n in (4096, 32768):
+            base = dict(size="smollm2-135m", method=method, context=n, device="fake", torch="x", triton="y")
+            rows.append({**base, "kind": "prefill", "batch": 1, "batch_label": "1", "ms": 10.0 * n / 4096,
+                         "tokens_per_s": 4e5, "peak_bytes": 3 << 30})
+            for label, B in (("1", 1), ("16", 16), ("max", 500 if method == "sdpa" else 5000)):
+                rows.append({**base, "kind": "decode", "batch": B, "batch_label": label, "ms": 5.0,
+                             "tokens_per_s": B * 200.0, "kv_bytes_per_seq": (n if method == "sdpa" else 300) * 23040,
+                             "peak_bytes": 4 << 30})
+    return rows
+
+
+def test_partial_run_merges_into_the_results(tmp_path):
+    bench = load_bench()
+    path = tmp_path / "e2e_generation.json"
+    rows = fake_rows()
+    path.write_text(json.dumps(bench.merge(path, rows, [])))
+    again = {**rows[1], "tokens_per_s": 1.0}  # a rerun of one case replaces it and keeps every other
+    data = bench.merge(path, [again], bench.macs_rows(["smollm2-135m"], [4096], ["eva-sliding"]))
+    assert len(data["rows"]) == len(rows)
+    assert [r for r in data["rows"] if bench.row_key(r) == bench.row_key(again)] == [again]
+    assert data["macs"][0]["ideal_speedup"] > 1
+    assert [r["kind"] for r in data["rows"][:4]] == ["prefill", "decode", "decode", "decode"]
+
+
+def test_tables_and_plots(tmp_path):
+    bench = load_bench()
+    data = bench.merge(tmp_path / "none.json", fake_rows(), bench.macs_rows(["smollm2-135m"], [4096, 32768],
+                                                                             ["sdpa", "eva-sliding"]))
+    written = bench.render(data, tmp_path)
+    assert {p.name for p in written} == {"e2e_generation.md", "e2e_generation_throughput.png",
+                                         "e2e_generation_memory.png"}
+    md = (tmp_path / "e2e_generation.md").read_text()
+    assert "| smollm2-135m | 32768 | eva-sliding | 5000 (max) | 5.00 | 1,000,000 | 10.00x |" in md
+    assert "| smollm2-135m | 32768 | eva-sliding | 80.0 | 400,000 | 1.00x |" in md
+
+
+# ---------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_flash_decode_equals_masked_decode():
+    """StaticKVCache's flash decode kernel (variable-length flash attention with seqused_k) == masked SDPA."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, Hkv, D, P, T = 3, 8, 2, 64, 100, 5
+    q, k, v = (torch.randn(B, h, P + T, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (H, Hkv, Hkv))
+    lengths = torch.tensor([P, 37, 1], device="cuda")
+    outs = {}
+    for decode in ("flash", "masked"):
+        cache = StaticKVCache(B, Hkv, D, max_seq_len=P + T, dtype=torch.bfloat16, device="cuda", decode=decode)
+        cache.prefill(q[:, :, :P], k[:, :, :P], v[:, :, :P], lengths=lengths)
+        outs[decode] = torch.cat([cache.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+                                  for t in range(P, P + T)], 2)
+    assert_close("flash decode", outs["flash"], outs["masked"].float(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "eva"])
+def test_captured_model_step_equals_eager(attention):
+    """The benchmark's decode: one captured model step replayed token after token == eager steps (bf16)."""
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=64,
+                      intermediate_size=512)
+    kw = dict(decode="flash") if attention == "sdpa" else dict(chunk_size=16, window_size=64, window="sliding")
+    model = LlamaLM(cfg, attention=attention, device="cuda", dtype=torch.bfloat16, **kw)
+    B, P, T = 3, 150, 20
+    g = torch.Generator("cuda").manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (B, P + T), device="cuda", generator=g)
+    with torch.no_grad():
+        eager, graphed = model.new_cache(B, P + T), model.new_cache(B, P + T)
+        for c in (eager, graphed):
+            model(tokens[:, :P], c)
+        want = torch.cat([model(tokens[:, t:t + 1], eager) for t in range(P, P + T)], 1)
+        tok = tokens[:, P:P + 1].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            got = [model(tok, graphed).clone()]
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(tok, graphed)
+        for t in range(P + 1, P + T):
+            tok.copy_(tokens[:, t:t + 1])
+            graph.replay()
+            got.append(out.clone())
+    assert_close("logits", torch.cat(got, 1), want.float(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_bench_short_run(tmp_path):
+    """A short run of the benchmark writes its JSON, table and plots with every case checked."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e_generation.py"), "--sizes", "smollm2-135m",
+                          "--contexts", "1024", "--batches", "1", "4", "--steps", "4", "--reps", "1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    data = json.loads((tmp_path / "e2e_generation.json").read_text())
+    assert len(data["rows"]) == 3 * 3 and all(r["finite"] and r["lengths_ok"] for r in data["rows"]
+                                               if r["kind"] == "decode")
+    assert (tmp_path / "e2e_generation_throughput.png").exists()
