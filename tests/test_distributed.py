@@ -87,14 +87,14 @@ def test_layers_read_no_device_value_on_the_host():
 
 def test_cpu_smoke_of_the_e2e_bench(tmp_path):
     """bench/e2e_distributed.py --cpu-smoke: one process, gloo, a tiny model: the parity check and the
-    three throughput modes run and write the JSON and markdown results."""
+    four throughput modes run and write the JSON and markdown results."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, str(ROOT / "bench" / "e2e_distributed.py"), "--cpu-smoke", "--out", str(tmp_path)],
                    check=True, env=env, cwd=ROOT, timeout=300)
     data = json.loads((tmp_path / "e2e_distributed.json").read_text())
-    assert {r["mode"] for r in data["throughput"]} == {"single", "ddp", "fsdp2"}
+    assert [r["mode"] for r in data["throughput"]] == ["single", "ddp", "fsdp2", "fsdp2_bf16"]
     assert all(r["tokens_per_s"] > 0 for r in data["throughput"])
-    assert set(data["parity"]) == set(P.MODES)
+    assert set(data["parity"]) == set(P.MODES) and all(p["ok"] for p in data["parity"].values())
     assert "| mode |" in (tmp_path / "e2e_distributed.md").read_text()
 
 

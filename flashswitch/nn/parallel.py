@@ -5,9 +5,13 @@ SwitchHeadAttention and SigmaMoE gets a gradient on every rank in every step: an
 local token picked gets an exactly-zero gradient (op 3's backward writes the whole weight gradient),
 never None, and the routers reach every expert through their dense logits.
 
-FSDP2: `fully_shard_model` shards each layer (or each block of a DecoderLM), then the root. The
-expert weights [E, ...] are sharded along the expert dimension and gathered whole for the forward and
-backward, so the layers see plain tensors.
+FSDP2: `fully_shard_model` shards each block of a DecoderLM (or each layer of another model), then
+the root. The expert weights [E, ...] are sharded along the expert dimension and gathered whole for
+the forward and backward, so the layers see plain tensors. SwitchHeadAttention and SigmaMoE return a
+view of their expert-matmul output: where one of them is an FSDP2 unit itself (FSDP2 warns about the
+view), add its output out of place (`x = x + layer(x)`), never `x += ...` on it.
+
+DDP and FSDP2 run a module's forward; `TrainingLoss(model)` makes DecoderLM.loss that forward.
 
 The sigma-MoE entropy regulariser is computed over each rank's own tokens: with entropy_reg > 0 a
 data-parallel step differs from a one-process step on the whole batch by that term's nonlinearity.
@@ -25,19 +29,33 @@ from flashswitch.nn.switchhead import SwitchHeadAttention
 LAYERS = (EvaAttention, SwitchHeadAttention, SigmaMoE)
 
 
+class TrainingLoss(nn.Module):
+    """forward(tokens, targets=None) = model.loss(tokens, targets). DDP and FSDP2 hook a module's
+    forward, so a DecoderLM trains under them wrapped in this: `DDP(TrainingLoss(model))(tokens)`."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, targets=None):
+        return self.model.loss(tokens, targets)
+
+
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules FSDP2 shards one by one: the blocks of a model with `blocks` (DecoderLM), else
-    every flashswitch layer in it (outermost first, none nested in another)."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList) and len(blocks):
-        return list(blocks)
-    units, seen = [], set()
+    """The submodules FSDP2 shards one by one: the blocks of the first module in `model` that has a
+    `blocks` ModuleList (DecoderLM, also inside TrainingLoss), else every flashswitch layer in it
+    (outermost first, none nested in another)."""
+    for module in model.modules():
+        blocks = getattr(module, "blocks", None)
+        if isinstance(blocks, nn.ModuleList) and len(blocks):
+            return list(blocks)
+    units, seen = [], []
     for name, module in model.named_modules():
         if module is model or any(name.startswith(p + ".") for p in seen):
             continue
         if isinstance(module, LAYERS):
             units.append(module)
-            seen.add(name)
+            seen.append(name)
     return units
 
 
@@ -57,4 +75,4 @@ def fully_shard_model(model: nn.Module, mesh=None, *, units: Optional[Iterable[n
     return fully_shard(model, **kw)
 
 
-__all__ = ["fully_shard_model", "shard_units"]
+__all__ = ["TrainingLoss", "fully_shard_model", "shard_units"]
