@@ -2,7 +2,8 @@
 against one GPU at the same per-GPU batch.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 bench/e2e_distributed.py      # two GPUs, NCCL
-    python bench/e2e_distributed.py --cpu-smoke [--out DIR]                       # one process, gloo, tiny model
+    python bench/e2e_distributed.py --cpu-smoke [--out DIR]     # CPU, gloo, tiny model (also under torchrun)
+    python bench/e2e_distributed.py                             # one GPU: the same at world size 1
 
 1. Parity (bench/distributed_parity.py): a tiny LM of EvaAttention, SwitchHeadAttention and SigmaMoE
    trained 5 fp32 AdamW steps under DDP and under FSDP2 gives the per-step losses and first-step
@@ -14,7 +15,8 @@ against one GPU at the same per-GPU batch.
    "ddp", "fsdp2" (fp32 parameters gathered, autocast inside) and "fsdp2_bf16" (FSDP2's
    MixedPrecisionPolicy: bf16 parameters gathered, fp32 gradient reduction). Each step (forward,
    backward, optimizer) is timed with CUDA events after `--warmup` steps; the table gives the median.
-Results (rank 0): <out>/e2e_distributed.json and .md, <out> = bench/results/<device>/ by default.
+Results (rank 0): <out>/e2e_distributed.json and .md, <out> = bench/results/<device>/ by default (a
+fresh temporary folder with --cpu-smoke).
 The exit status is 1 when a parity check fails (the throughput still runs and is written).
 NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is set here before NCCL starts.
 """
@@ -228,10 +230,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['mode']} | {r['gpus']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['tokens_per_s_per_gpu']:,.0f} | {eff} | {mem} | {r['final_loss']:.3f} |")
     lines += ["", "Parity (tiny EVA + SwitchHead + sigma-MoE LM, fp32, 5 AdamW steps vs one process on the "
-              "whole batches):", "", "| mode | ok | max loss rel | max grad rel (param) | bound |", "|---|---|---|---|---|"]
+              "whole batches):", "", "| mode | ok | max loss rel | max grad rel (param) | bound |",
+              "|---|---|---|---|---|"]
     for mode, p in result["parity"].items():
         if p.get("ok"):
-            lines.append(f"| {mode} | yes | {p['loss_rel']:.2e} | {p['grad_rel']:.2e} ({p['worst_grad']}) | {p['rtol']:g} |")
+            lines.append(f"| {mode} | yes | {p['loss_rel']:.2e} | {p['grad_rel']:.2e} ({p['worst_grad']}) | "
+                         f"{p['rtol']:g} |")
         else:
             lines.append(f"| {mode} | **no** | {p.get('error', '')[:200]} | | {p['rtol']:g} |")
     return "\n".join(lines) + "\n"

@@ -70,12 +70,13 @@ def test_layers_read_no_device_value_on_the_host():
     with fake tensors: a host read of a device value (.item(), .tolist(), bool(t), int(t)) raises."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from flashswitch._common import backend_available
-    if not backend_available("triton", torch.device(DEVICE)):
-        pytest.skip("no Triton backend here")
+    if DEVICE != "cpu" or not backend_available("triton", torch.device("cpu")):
+        # on a GPU the extension's routing op has no fake implementation; the sync test below covers it
+        pytest.skip("fake CPU tensors on the Triton backend need the interpreter")
     cfg = P.ParityConfig()
     with FakeTensorMode():
-        model = P.make_model(cfg, DEVICE, backend="triton")
-        tokens = torch.randint(0, cfg.vocab, (cfg.local_batch, cfg.seq + 1), device=DEVICE)
+        model = P.make_model(cfg, "cpu", backend="triton")
+        tokens = torch.randint(0, cfg.vocab, (cfg.local_batch, cfg.seq + 1))
         loss = model(tokens)
         loss.backward()
         grads = [p.grad for p in model.parameters()]
