@@ -26,7 +26,7 @@ with_fixture = settings(suppress_health_check=list(settings().suppress_health_ch
 
 _SMALL = dict(DX_BLOCK_M=16, DX_BLOCK_N=16, DX_BLOCK_K=16, DX_INTERLEAVE=False, DX_PARTIALS="fp32",
               DX_num_warps=4, DX_num_stages=2, DW_BLOCK_M=16, DW_BLOCK_N=16, DW_BLOCK_K=16, SPLIT_K=1,
-              DW_num_warps=4, DW_num_stages=2)
+              DW_num_warps=4, DW_num_stages=2, DENSE_Z=False)
 CONFIGS = {
     "default": None,
     "small": _SMALL,
@@ -35,6 +35,8 @@ CONFIGS = {
     # dx slot partials in x's dtype; wider tiles than the problems (masks)
     "out-partials": {**_SMALL, "DX_PARTIALS": "out", "DX_BLOCK_N": 32, "DW_BLOCK_M": 32, "DW_BLOCK_K": 32,
                      "SPLIT_K": 2},
+    # dx and dW as dense GEMMs over the per-token expert sums Z (d gates from the dx kernel)
+    "dense-z": {**_SMALL, "DENSE_Z": True},
 }
 
 
@@ -127,12 +129,13 @@ def test_routings_and_groups(backend, routing, groups):
     dy = _dy(p)
     _check(_grads(backend, p, dy), p, dy)
     _check(_grads(backend, p, dy, CONFIGS["interleaved-split"]), p, dy)
+    _check(_grads(backend, p, dy, CONFIGS["dense-z"]), p, dy)
 
 
 def test_empty_experts_get_zero_weight_gradient(backend):
     p = random_problem(T=10, S=2, E=6, d_in=9, d_out=7, routing="sparse", device=DEVICE, seed=1)
     dy = _dy(p)
-    for config in (None, CONFIGS["interleaved-split"]):
+    for config in (None, CONFIGS["interleaved-split"], CONFIGS["dense-z"]):
         _, dw, _ = _grads(backend, p, dy, config)
         assert dw is not None and torch.equal(dw[1::2], torch.zeros_like(dw[1::2]))  # no NaN, exactly 0
         assert dw[0::2].abs().sum() > 0
@@ -317,7 +320,8 @@ def test_backward_space_has_default():
 
 
 @pytest.mark.parametrize("bad,match", [({"DX_BLOCK_M": 24}, "DX_BLOCK_M"), ({"SPLIT_K": 0}, "SPLIT_K"),
-                                       ({"DX_PARTIALS": "fp8"}, "DX_PARTIALS"), ({"DW_BLOCK_K": None}, "missing")])
+                                       ({"DX_PARTIALS": "fp8"}, "DX_PARTIALS"), ({"DW_BLOCK_K": None}, "missing"),
+                                       ({"DENSE_Z": 1}, "DENSE_Z")])
 def test_triton_rejects_bad_config(bad, match):
     if "triton" not in kernel_backends():
         pytest.skip("triton cannot run here")
@@ -398,3 +402,20 @@ def test_paper_shapes_bf16_deterministic(backend, shape):
     for u, v in zip(a, b):
         assert u is None and v is None or torch.equal(u, v)
     _check(a, p, dy)
+
+
+@pytest.mark.parametrize("dtype", dtypes_here())
+@pytest.mark.parametrize("G_in,weight_dtype", [(1, None), (2, None), (1, torch.float32)])
+def test_dense_z_sums_slots_sharing_an_expert(backend, dtype, G_in, weight_dtype):
+    """DENSE_Z: with 2 experts and 6 slots per token, most tokens give one expert several slots of a
+    group (their gated dy rows are summed into one Z block); fp32 weights under 16-bit x take the dW
+    kernel beside the dense dx."""
+    if weight_dtype is not None and dtype == torch.float32:
+        pytest.skip("master weights only apply to 16-bit x")
+    p = random_problem(T=37, S=6, E=2, d_in=24, d_out=10, G_in=G_in, G_out=3, dtype=dtype, weight_dtype=weight_dtype,
+                       device=DEVICE, seed=4)
+    dy = _dy(p)
+    got = _grads(backend, p, dy, CONFIGS["dense-z"])
+    _check(got, p, dy)
+    again = _grads(backend, p, dy, CONFIGS["dense-z"])
+    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, again))

@@ -534,11 +534,20 @@ def _em_bwd_tiles(f: dict) -> tuple[int, int, int]:
     return cap, min(cap, max(16, next_pow2(f["d_in"]))), min(cap, max(16, next_pow2(f["d_out"])))
 
 
+def _em_bwd_dense_fits(f: dict, waste: int) -> bool:
+    """Whether DENSE_Z may pay: 16-bit (fp32 dense GEMMs are slow), dx rows that sum several slots, and
+    dense GEMMs doing at most `waste` times the pairs' MACs (G_in·E / S)."""
+    return f["dtype"] != "fp32" and f["G_in"] < f["S"] and f["G_in"] * f["E"] <= waste * f["S"]
+
+
 def _em_bwd_triton_default(f: dict) -> dict:
     cap, bin_, bout = _em_bwd_tiles(f)
     per_expert = _em_facts(f)["per_expert"]
     bm = 128 if per_expert >= 1024 else 64 if per_expert >= 96 else 32 if per_expert >= 24 else 16
-    return {**_em_bwd_dx(f, min(bm, cap), bin_), **_em_bwd_dw(f, bin_, bout)}
+    # dense Z at <= 2x the MACs: the scratch path writes S / G_in fp32 rows of d_in per dx row, the
+    # dense GEMMs stream Z once at tensor-core rate
+    return {**_em_bwd_dx(f, min(bm, cap), bin_), **_em_bwd_dw(f, bin_, bout),
+            "DENSE_Z": _em_bwd_dense_fits(f, 2)}
 
 
 def _em_bwd_triton_space(f: dict) -> list[dict]:
@@ -548,7 +557,8 @@ def _em_bwd_triton_space(f: dict) -> list[dict]:
       and, when dx rows sum several slots (G_in < S), partials in fp32 or x's dtype (half the
       scratch traffic, one rounding per pair as a grouped_mm pipeline does);
     - dW: d_in x d_out tile, and SPLIT_K at the heuristic value and twice it (more programs for few
-      experts; more partial traffic)."""
+      experts; more partial traffic);
+    - DENSE_Z where it may pay (few experts per input group): dx and dW as dense GEMMs over Z."""
     default = _em_bwd_triton_default(f)
     cap, bin_, bout = _em_bwd_tiles(f)
     partials = ("fp32",) if f["dtype"] == "fp32" or f["G_in"] == f["S"] else ("fp32", "out")
@@ -558,7 +568,9 @@ def _em_bwd_triton_space(f: dict) -> list[dict]:
     for bm, bn in dw_tiles:
         base = _em_bwd_dw(f, bm, bn)
         dws += [base] + ([{**base, "SPLIT_K": 2 * base["SPLIT_K"]}] if base["SPLIT_K"] < 16 else [])
-    out = [default] + [{**dx, **dw} for dx in dxs for dw in dws]
+    out = [default] + [{**dx, **dw, "DENSE_Z": False} for dx in dxs for dw in dws]
+    if _em_bwd_dense_fits(f, 4):  # dense Z on the default dx tiles (dW then needs no kernel)
+        out += [{**default, "DENSE_Z": True}, {**default, **_em_bwd_dx(f, min(64, cap), bin_), "DENSE_Z": True}]
     seen, unique = set(), []
     for c in out:
         key = tuple(sorted(c.items()))

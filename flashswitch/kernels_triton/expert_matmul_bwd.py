@@ -14,6 +14,12 @@ With pair p = (t, s) of expert e, x_row(p) = x[t, s // (S / G_in)], dy_row(p) = 
   SPLIT_K > 1 each split writes an fp32 partial [SPLIT_K, E, d_in, d_out], summed in split order.
 - `_sum_leading`: out[i] = Σ_j src[j, i] in order j = 0, 1, ...: the fixed-order sums of the d gates
   partials and of the split-K partials.
+- Config DENSE_Z (16-bit, few experts per input group, as SwitchHead's value projection): the per-pair
+  dx rows are what makes the scratch path write-bound (S rows of d_in per token for one dx row). Instead
+  `_dense_z` sums each token's gated dy rows per expert into a dense Z [T·G_in, E·d_out] (zeros where
+  the token's group did not pick the expert), and dx = Z · W_catᵀ, dW = X_flatᵀ · Z are two dense GEMMs
+  (torch.mm: fp32 accumulation, deterministic) that do G_in·E / S times the pairs' MACs at full
+  tensor-core rate. d gates still come from `_dx_kernel`, with its dx store off.
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ from flashswitch.kernels_triton.expert_matmul import (_aligned, _gather_gemm, _g
 DX_KEYS = ("DX_BLOCK_M", "DX_BLOCK_N", "DX_BLOCK_K", "DX_INTERLEAVE", "DX_PARTIALS", "DX_num_warps",
            "DX_num_stages")
 DW_KEYS = ("DW_BLOCK_M", "DW_BLOCK_N", "DW_BLOCK_K", "SPLIT_K", "DW_num_warps", "DW_num_stages")
-CONFIG_KEYS = DX_KEYS + DW_KEYS
+MODE_KEYS = ("DENSE_Z",)
+CONFIG_KEYS = DX_KEYS + DW_KEYS + MODE_KEYS
 PARTIALS_MODES = ("fp32", "out")
 
 
@@ -150,6 +157,50 @@ def _dw_kernel(
 
 
 @triton.jit
+def _pair_experts(tok_ptr, slot_ptr, off_ptr, pe_ptr, S, BLOCK: tl.constexpr):
+    """pe[t·S + s] = the expert of pair (t, s): program e walks its sorted rows."""
+    e = tl.program_id(0)
+    lo = tl.load(off_ptr + e)
+    hi = tl.load(off_ptr + e + 1)
+    for r0 in range(lo, hi, BLOCK):
+        rows = r0 + tl.arange(0, BLOCK)
+        rmask = rows < hi
+        tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        slt = tl.load(slot_ptr + rows, mask=rmask, other=0)
+        tl.store(pe_ptr + tok * S + slt, e.to(tl.int32), mask=rmask)
+
+
+@triton.jit
+def _dense_z(dy_ptr, g_ptr, pe_ptr, z_ptr, T, S, G_in, spg_in, spg_out, d_out,
+             stride_dyt, stride_dyg, stride_gt, stride_gs, stride_zr,
+             HAS_GATES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Z[t·G_in + gi, e·d_out + k] = Σ over the slots s of input group gi with expert e, in slot order,
+    of gate[t, s] · dy_row(t, s)[k] (fp32 sums, one rounding). Each slot of the group writes its
+    expert's whole sum (slots sharing an expert write the same values), so no entry is read back."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    gi = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    tmask = offs_t < T
+    kmask = offs_k < d_out
+    t64 = offs_t.to(tl.int64)
+    z_row = z_ptr + (t64 * G_in + gi) * stride_zr
+    for j in range(spg_in):
+        e = tl.load(pe_ptr + t64 * S + gi * spg_in + j, mask=tmask, other=0)
+        total = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+        for jj in range(spg_in):
+            s2 = gi * spg_in + jj
+            same = (tl.load(pe_ptr + t64 * S + s2, mask=tmask, other=-1) == e) & tmask
+            dyv = tl.load(dy_ptr + t64[:, None] * stride_dyt + (s2 // spg_out) * stride_dyg + offs_k[None, :],
+                          mask=same[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            if HAS_GATES:
+                gv = tl.load(g_ptr + t64 * stride_gt + s2 * stride_gs, mask=same, other=0.0).to(tl.float32)
+                dyv = dyv * gv[:, None]
+            total += dyv
+        tl.store(z_row[:, None] + e.to(tl.int64)[:, None] * d_out + offs_k[None, :],
+                 total.to(z_ptr.dtype.element_ty), mask=tmask[:, None] & kmask[None, :])
+
+
+@triton.jit
 def _sum_leading(src_ptr, dst_ptr, J, N, BLOCK: tl.constexpr):
     """dst[i] = Σ_{j < J} src[j·N + i], in order j = 0, 1, ... (both contiguous)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -176,6 +227,8 @@ def _check_config(cfg: dict) -> dict:
     split = int(cfg["SPLIT_K"])
     if split < 1:
         raise ValueError(f"config SPLIT_K must be >= 1, got {split}")
+    if not isinstance(cfg["DENSE_Z"], bool):
+        raise ValueError(f"config DENSE_Z must be a bool, got {cfg['DENSE_Z']!r}")
     return cfg
 
 
@@ -199,10 +252,22 @@ def launch(x3, weight, gates, route, dy, dx, dweight, dgates, *, G_in, G_out, co
     sx = (x3.stride(0), x3.stride(1) if G_in > 1 else 0)
     sdy = (dy.stride(0), dy.stride(1) if G_out > 1 else 0)
 
-    if dweight is not None and dweight.numel():
-        _launch_dw(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dweight, S, G_in, G_out, dot_precision, cfg)
     want_dx = dx is not None and dx.numel() > 0
     want_dg = dgates is not None and dgates.numel() > 0
+    want_dw = dweight is not None and dweight.numel() > 0
+    if cfg["DENSE_Z"] and G_in < S and T and d_in and d_out and (want_dx or want_dw):
+        z = _launch_dense_z(x3, g, has_gates, sg, sdy, route, dy, S, G_in, G_out, E, d_out)
+        if want_dx:  # dx = Z · W_catᵀ, W_cat[e·d_out + k, n] = weight[e, n, k]
+            w_cat = weight.permute(0, 2, 1).to(x3.dtype).reshape(E * d_out, d_in)
+            torch.mm(z, w_cat, out=dx.view(T * G_in, d_in))
+            dx = None
+        if want_dw and weight.dtype == x3.dtype:  # dW[e] = X_flatᵀ · Z[:, e block]
+            x_flat = x3.reshape(T * G_in, d_in)
+            dweight.copy_(torch.mm(x_flat.t(), z).view(d_in, E, d_out).permute(1, 0, 2))
+            want_dw = False
+        want_dx = False
+    if want_dw:
+        _launch_dw(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dweight, S, G_in, G_out, dot_precision, cfg)
     if not (want_dx or want_dg):
         return
     if d_in == 0 or d_out == 0:  # z_p = 0: zero gradients
@@ -213,6 +278,21 @@ def launch(x3, weight, gates, route, dy, dx, dweight, dgates, *, G_in, G_out, co
         return
     _launch_dx(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dx if want_dx else None,
                dgates if want_dg else None, S, G_in, G_out, dot_precision, cfg)
+
+
+def _launch_dense_z(x3, g, has_gates, sg, sdy, route, dy, S, G_in, G_out, E, d_out):
+    """Z [T·G_in, E·d_out] in x's dtype (see `_dense_z`)."""
+    T = x3.shape[0]
+    pair_expert = torch.empty(T * S, dtype=torch.int32, device=x3.device)
+    _pair_experts[(E,)](route.token, route.slot, route.offsets, pair_expert, S, BLOCK=256, num_warps=4)
+    z = torch.zeros((T * G_in, E * d_out), dtype=x3.dtype, device=x3.device)
+    BLOCK_K = max(16, triton.next_power_of_2(d_out))
+    BLOCK_T = max(1, min(64, 2048 // BLOCK_K))
+    _dense_z[(triton.cdiv(T, BLOCK_T), G_in)](
+        dy, g, pair_expert, z, T, S, G_in, S // G_in, S // G_out, d_out,
+        sdy[0], sdy[1], sg[0], sg[1], z.stride(0),
+        HAS_GATES=has_gates, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, num_warps=4)
+    return z
 
 
 def _launch_dw(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dweight, S, G_in, G_out, dot_precision, cfg):
