@@ -19,7 +19,8 @@ With pair p = (t, s) of expert e, x_row(p) = x[t, s // (S / G_in)], dy_row(p) = 
   `_dense_z` sums each token's gated dy rows per expert into a dense Z [T·G_in, E·d_out] (zeros where
   the token's group did not pick the expert), and dx = Z · W_catᵀ, dW = X_flatᵀ · Z are two dense GEMMs
   (torch.mm: fp32 accumulation, deterministic) that do G_in·E / S times the pairs' MACs at full
-  tensor-core rate. d gates still come from `_dx_kernel`, with its dx store off.
+  tensor-core rate. d gates: U = X_flat · W_catᵀ (every expert's product of every x row, one more
+  dense GEMM) and `_dense_dg` dots each pair's dy row with its expert's block of U.
 """
 from __future__ import annotations
 
@@ -201,6 +202,25 @@ def _dense_z(dy_ptr, g_ptr, pe_ptr, z_ptr, T, S, G_in, spg_in, spg_out, d_out,
 
 
 @triton.jit
+def _dense_dg(u_ptr, dy_ptr, pe_ptr, dg_ptr, T, S, G_in, spg_in, spg_out, d_out, stride_ur, stride_dyt, stride_dyg,
+              BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """dg[t, s] = Σ_k dy_row(t, s)[k] · U[t·G_in + s // spg_in, e(t, s)·d_out + k] (fp32 sum; dg
+    contiguous [T, S])."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    s = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    tmask = offs_t < T
+    mask = tmask[:, None] & (offs_k < d_out)[None, :]
+    t64 = offs_t.to(tl.int64)
+    e = tl.load(pe_ptr + t64 * S + s, mask=tmask, other=0).to(tl.int64)
+    u = tl.load(u_ptr + ((t64 * G_in + s // spg_in) * stride_ur + e * d_out)[:, None] + offs_k[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    dyv = tl.load(dy_ptr + (t64 * stride_dyt + (s // spg_out) * stride_dyg)[:, None] + offs_k[None, :], mask=mask,
+                  other=0.0).to(tl.float32)
+    tl.store(dg_ptr + t64 * S + s, tl.sum(u * dyv, 1).to(dg_ptr.dtype.element_ty), mask=tmask)
+
+
+@triton.jit
 def _sum_leading(src_ptr, dst_ptr, J, N, BLOCK: tl.constexpr):
     """dst[i] = Σ_{j < J} src[j·N + i], in order j = 0, 1, ... (both contiguous)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -255,17 +275,21 @@ def launch(x3, weight, gates, route, dy, dx, dweight, dgates, *, G_in, G_out, co
     want_dx = dx is not None and dx.numel() > 0
     want_dg = dgates is not None and dgates.numel() > 0
     want_dw = dweight is not None and dweight.numel() > 0
-    if cfg["DENSE_Z"] and G_in < S and T and d_in and d_out and (want_dx or want_dw):
-        z = _launch_dense_z(x3, g, has_gates, sg, sdy, route, dy, S, G_in, G_out, E, d_out)
-        if want_dx:  # dx = Z · W_catᵀ, W_cat[e·d_out + k, n] = weight[e, n, k]
-            w_cat = weight.permute(0, 2, 1).to(x3.dtype).reshape(E * d_out, d_in)
-            torch.mm(z, w_cat, out=dx.view(T * G_in, d_in))
-            dx = None
-        if want_dw and weight.dtype == x3.dtype:  # dW[e] = X_flatᵀ · Z[:, e block]
-            x_flat = x3.reshape(T * G_in, d_in)
-            dweight.copy_(torch.mm(x_flat.t(), z).view(d_in, E, d_out).permute(1, 0, 2))
-            want_dw = False
-        want_dx = False
+    if cfg["DENSE_Z"] and G_in < S and T and d_in and d_out and (want_dx or want_dw or want_dg):
+        pair_expert = torch.empty(T * S, dtype=torch.int32, device=x3.device)
+        _pair_experts[(E,)](route.token, route.slot, route.offsets, pair_expert, S, BLOCK=256, num_warps=4)
+        x_flat = x3.reshape(T * G_in, d_in)
+        w_cat = weight.permute(0, 2, 1).to(x3.dtype).reshape(E * d_out, d_in)  # [e·d_out + k, n] = W[e, n, k]
+        if want_dx or want_dw:
+            z = _launch_dense_z(g, has_gates, sg, sdy, dy, pair_expert, T, S, G_in, G_out, E, d_out, x3.dtype)
+            if want_dx:  # dx = Z · W_cat
+                torch.mm(z, w_cat, out=dx.view(T * G_in, d_in))
+            if want_dw and weight.dtype == x3.dtype:  # dW[e] = X_flatᵀ · Z[:, e block]
+                dweight.copy_(torch.mm(x_flat.t(), z).view(d_in, E, d_out).permute(1, 0, 2))
+                want_dw = False
+        if want_dg:  # U = X_flat · W_catᵀ holds x_row(p) · W[e] for every expert; d gate_p = dy_row(p) · U[p]
+            _launch_dense_dg(torch.mm(x_flat, w_cat.t()), dy, sdy, pair_expert, dgates, T, S, G_in, G_out, d_out)
+        want_dx = want_dg = False
     if want_dw:
         _launch_dw(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dweight, S, G_in, G_out, dot_precision, cfg)
     if not (want_dx or want_dg):
@@ -280,12 +304,9 @@ def launch(x3, weight, gates, route, dy, dx, dweight, dgates, *, G_in, G_out, co
                dgates if want_dg else None, S, G_in, G_out, dot_precision, cfg)
 
 
-def _launch_dense_z(x3, g, has_gates, sg, sdy, route, dy, S, G_in, G_out, E, d_out):
-    """Z [T·G_in, E·d_out] in x's dtype (see `_dense_z`)."""
-    T = x3.shape[0]
-    pair_expert = torch.empty(T * S, dtype=torch.int32, device=x3.device)
-    _pair_experts[(E,)](route.token, route.slot, route.offsets, pair_expert, S, BLOCK=256, num_warps=4)
-    z = torch.zeros((T * G_in, E * d_out), dtype=x3.dtype, device=x3.device)
+def _launch_dense_z(g, has_gates, sg, sdy, dy, pair_expert, T, S, G_in, G_out, E, d_out, dtype):
+    """Z [T·G_in, E·d_out] (see `_dense_z`)."""
+    z = torch.zeros((T * G_in, E * d_out), dtype=dtype, device=dy.device)
     BLOCK_K = max(16, triton.next_power_of_2(d_out))
     BLOCK_T = max(1, min(64, 2048 // BLOCK_K))
     _dense_z[(triton.cdiv(T, BLOCK_T), G_in)](
@@ -293,6 +314,14 @@ def _launch_dense_z(x3, g, has_gates, sg, sdy, route, dy, S, G_in, G_out, E, d_o
         sdy[0], sdy[1], sg[0], sg[1], z.stride(0),
         HAS_GATES=has_gates, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, num_warps=4)
     return z
+
+
+def _launch_dense_dg(u, dy, sdy, pair_expert, dgates, T, S, G_in, G_out, d_out):
+    BLOCK_K = max(16, triton.next_power_of_2(d_out))
+    BLOCK_T = max(1, min(64, 2048 // BLOCK_K))
+    _dense_dg[(triton.cdiv(T, BLOCK_T), S)](
+        u, dy, pair_expert, dgates, T, S, G_in, S // G_in, S // G_out, d_out, u.stride(0), sdy[0], sdy[1],
+        BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, num_warps=4)
 
 
 def _launch_dw(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dweight, S, G_in, G_out, dot_precision, cfg):
