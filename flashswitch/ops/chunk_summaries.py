@@ -85,7 +85,7 @@ def _run_backward(backend: str, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, k
     """(dk, dv, domega, dkey_weight), None where omega / key_weight is None. Every kernel backend runs
     the Triton backward kernels. omega: None, [Hkv, D] or [B, Hkv, Nc, D]; dlse: None = no gradient
     into lse."""
-    if backend not in ("triton", "cuda", "cupy"):
+    if backend not in C.KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}")
     dk = C.new_output(tuple(k.shape), k.dtype, k.device)
     dv = C.new_output(tuple(v.shape), v.dtype, v.device)

@@ -77,7 +77,7 @@ def _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_
                   q_offset, log_count, config=None):
     """(dq, dk, dv, dk_sum, dv_sum, dbias) by the Triton backward kernels, whichever the forward backend
     was; dbias is fp32 [B, Hkv, Nc] for a tensor bias, an empty tensor otherwise. dlse may be None."""
-    if backend not in ("triton", "cuda", "cupy"):
+    if backend not in C.KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}")
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]

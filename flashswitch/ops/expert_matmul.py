@@ -303,7 +303,7 @@ def _run_backward(backend: str, dy, x3, weight, gates, rt: Route, G_out: int, ne
     """(dx3, dweight, dgates) from the Triton backward kernels (every kernel backend uses them); a
     gradient not asked for (or gates None) is an empty tensor. dweight is exactly zero for experts
     with no pairs; the result is bitwise reproducible (no float atomics, fixed-order sums)."""
-    if backend not in ("triton", "cuda", "cupy"):
+    if backend not in C.KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}")
     T, G_in, d_in = x3.shape
     dev = x3.device
