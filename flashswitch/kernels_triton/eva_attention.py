@@ -547,7 +547,7 @@ def _qk_scale(scale: float) -> float:
 
 
 def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sliding, scale, q_offset,
-           log_count, config):
+           log_count, config, geometry=None):
     """Fill o ([B, H, Nq, D], q's dtype) and lse (fp32 [B, H, Nq], natural log).
 
     q: [B, H, Nq, D]; k, v: [B, Hkv, Nk, D]; k_sum, v_sum: [B, Hkv, Nc, D]; any strides with a unit
@@ -560,6 +560,7 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
     ignored), QREG (q held in registers for q.k: RS instead of SS wgmma on Hopper; default off),
     maxnreg (a register cap per thread; default none) and GLUON (the warp-specialized Hopper kernel
     of eva_attention_gluon.py, for the problems its `supports` takes; the others run this one).
+    geometry: what `plan` returns for these arguments, where the caller keeps it (ops/eva_attention.py).
     """
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
@@ -586,7 +587,8 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
                        q_offset=q_offset, log_count=log_count, config=config)
             return
     G = H // Hkv
-    geo = plan(q, k, k_sum, chunk_size=C, window_size=W, sliding=sliding, q_offset=q_offset, config=config)
+    geo = geometry or plan(q, k, k_sum, chunk_size=C, window_size=W, sliding=sliding, q_offset=q_offset,
+                           config=config)
     splits = geo["NUM_SPLITS"]
 
     if bias is not None:
