@@ -250,8 +250,8 @@ def _entry(feats: dict, cfg: dict) -> dict:
 
 
 def test_store_writes_start_the_plans_over(cfg_dir, monkeypatch):
-    """store.update in this process is seen by the next call; a file another process rewrote within
-    call_plan.STORE_RECHECK_S (and the store's own stat interval)."""
+    """store.update in this process is seen by the next call; a file another process rewrote at the next
+    look at the file (every call_plan.STORE_RECHECK_S, with the store's own stat interval)."""
     if "triton" not in kernel_backends():
         pytest.skip("triton is not usable here")
     p = _problem("chunk_summaries")
@@ -263,6 +263,7 @@ def test_store_writes_start_the_plans_over(cfg_dir, monkeypatch):
     store.update(path, {"chunk_summaries": _entry(feats, configs[0])})
     out = _call("chunk_summaries", p, "triton")
     assert dict(_plans(cs_op)[0].config) == configs[0]
+    monkeypatch.setitem(call_plan._seen, "next_file_check", math.inf)  # from here on, only store.update tells
     store.update(path, {"chunk_summaries": _entry(feats, configs[1])})
     out2 = _call("chunk_summaries", p, "triton")
     assert [dict(x.config) for x in _plans(cs_op)] == [configs[1]]
@@ -272,8 +273,10 @@ def test_store_writes_start_the_plans_over(cfg_dir, monkeypatch):
     path.write_text(json.dumps(data))
     mtime = os.stat(path).st_mtime + 10
     os.utime(path, (mtime, mtime))
+    out3 = _call("chunk_summaries", p, "triton")  # not seen before the next look at the file
+    assert [dict(x.config) for x in _plans(cs_op)] == [configs[1]]
     monkeypatch.setattr(store, "_STAT_INTERVAL_S", 0.0)
-    time.sleep(call_plan.STORE_RECHECK_S + 0.05)
+    monkeypatch.setitem(call_plan._seen, "next_file_check", time.monotonic())  # due: STORE_RECHECK_S passed
     out3 = _call("chunk_summaries", p, "triton")
     assert [dict(x.config) for x in _plans(cs_op)] == [configs[2]]
     for o in (out, out2, out3):
