@@ -266,7 +266,7 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
 class _Plan:
     """What a call decides from its arguments' metadata (call_plan.py)."""
     backend: str
-    config: Optional[Mapping]  # None for the reference backend and empty problems
+    config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
     scale: float
 
 
@@ -290,7 +290,7 @@ def _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend) -> _Plan:
                          f"(use backend='reference')")
     B, H, N, D = k.shape
     config = None
-    if backend != "reference" and B * H * N and D:
+    if backend != "reference" and B * H * N and D and not torch.compiler.is_compiling():
         config = call_plan.config(OP, backend, bucket or _features(k, chunk_size, key_weight, valid))
     return _Plan(backend, config, scale)
 

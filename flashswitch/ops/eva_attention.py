@@ -309,7 +309,7 @@ def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torc
 class _Plan:
     """What a call decides from its arguments' metadata (call_plan.py)."""
     backend: str
-    config: Optional[Mapping]  # None for the reference backend and empty problems
+    config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
     scale: float
     q_offset: int
     bias_tensor: bool
@@ -334,7 +334,7 @@ def _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary
     bucket = _features(q, k, chunk_size, window_size, window) if q.is_cuda else None
     backend = C.resolve_backend(OP, backend, q.device, bucket)
     config = launch = None
-    if backend != "reference" and q.shape[0] * q.shape[1] * q.shape[2]:
+    if backend != "reference" and q.shape[0] * q.shape[1] * q.shape[2] and not torch.compiler.is_compiling():
         config = call_plan.config(OP, backend, bucket or _features(q, k, chunk_size, window_size, window))
         launch = _launcher(backend)
         if backend == "triton":

@@ -466,7 +466,7 @@ def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates:
 class _Plan:
     """What a call decides from its arguments' metadata (call_plan.py)."""
     backend: str
-    config: Optional[Mapping]  # None for the reference backend and empty problems
+    config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
     G_out: int
 
 
@@ -488,7 +488,7 @@ def _plan(x, route, weight, gates, out_groups, deterministic, backend) -> _Plan:
     bucket = _features(x3, weight, route.S, G_out, deterministic) if x.is_cuda else None
     backend = C.resolve_backend(OP, backend, x.device, bucket)
     config = None
-    if backend != "reference" and x.shape[0] * weight.shape[2]:
+    if backend != "reference" and x.shape[0] * weight.shape[2] and not torch.compiler.is_compiling():
         config = call_plan.config(OP, backend, bucket or _features(x3, weight, route.S, G_out, deterministic))
     return _Plan(backend, config, G_out)
 
