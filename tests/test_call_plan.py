@@ -355,3 +355,23 @@ def test_launchers_do_not_import_autotune():
     for f in files:
         assert not re.search(r"^\s*(from|import)\s+flashswitch(\.autotune|\s+import\s+autotune)", f.read_text(),
                              re.M), f.name
+
+
+def test_host_time_bench_writes_its_table(tmp_path):
+    """bench/host_time.py runs (here: Triton launches stubbed, tiny shapes) and writes one row per op
+    and backend next to the bare Triton launch; the bound only catches a path gone badly wrong."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    if DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    subprocess.run([sys.executable, str(root / "bench" / "host_time.py"), "--calls", "20", "--tiny-only", "--stub",
+                    "--out", str(tmp_path)], check=True, env=env, cwd=root, timeout=600, capture_output=True)
+    data = json.loads((tmp_path / "host_time.json").read_text())
+    rows = {(r["op"], r["label"], r["backend"]): r["host_us"] for r in data["rows"]}
+    assert ("baseline", "tiny", "triton bare") in rows
+    for op in MODULES:
+        assert any(k[0] == op and k[2] == "triton" for k in rows), op
+    assert all(0 < us < 20_000 for us in rows.values()), rows
+    assert (tmp_path / "host_time.md").read_text().count("\n|") >= len(rows) + 1
