@@ -47,7 +47,10 @@ class PlanCache:
         check_state()
         plan = self._data.get(key)
         if plan is not None:
-            self._data.move_to_end(key)
+            try:
+                self._data.move_to_end(key)
+            except KeyError:  # another thread evicted it meanwhile: the plan itself is still good
+                pass
         return plan
 
     def put(self, key: Optional[Hashable], plan) -> None:

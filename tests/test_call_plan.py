@@ -258,7 +258,8 @@ def test_store_writes_start_the_plans_over(cfg_dir, monkeypatch):
     feats = cs_op.problem_features(**p)
     path = store.device_file(folder=cfg_dir)
     expect = registry.get("chunk_summaries").oracle_outputs(p)
-    configs = [{"BLOCK_CHUNKS": 1, "num_warps": 1, "num_stages": 1}, {"BLOCK_CHUNKS": 2, "num_warps": 2, "num_stages": 1},
+    configs = [{"BLOCK_CHUNKS": 1, "num_warps": 1, "num_stages": 1},
+               {"BLOCK_CHUNKS": 2, "num_warps": 2, "num_stages": 1},
                {"BLOCK_CHUNKS": 4, "num_warps": 1, "num_stages": 1}]
     store.update(path, {"chunk_summaries": _entry(feats, configs[0])})
     out = _call("chunk_summaries", p, "triton")
