@@ -1,74 +1,191 @@
-"""Host (CPU) time per call of each backend on the issue shapes: how long the Python/C++ side takes to
-enqueue one call, measured without synchronizing (the GPU queue absorbs the kernels), next to the
+"""Host (CPU) time per public call of each op and backend: how long validation, backend choice, config
+lookup and launch take to enqueue one call, measured without synchronizing (the GPU queue absorbs the
+kernels), next to a bare Triton launch of a trivial kernel, SDPA on the same tiny problem, and the
 kernel-only time of a CUDA-graph replay. When host time > kernel time, a per-call timing measures the
-host, not the kernel.
+host, not the kernel. Targets at the tiny shapes: <= 40 us on the Triton backend, <= 25 us on CUDA.
 
-    python bench/host_time.py [--ops chunk_summaries ...] [--backends triton ...] [--calls 200] [--profile]
+    python bench/host_time.py [--ops chunk_summaries ...] [--backends triton cuda ...] [--calls 300]
+                              [--tiny-only] [--stub] [--profile] [--out DIR]
+
+--stub replaces Triton's kernel launch (JITFunction.run, the interpreter's run on the CPU) by a no-op:
+the rows then show flashswitch's own Python cost. Without a GPU the Triton backend runs on CPU tensors
+under TRITON_INTERPRET=1 and --stub is implied. Writes host_time.json and host_time.md under
+bench/results/<device>/ (or --out).
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
+import os
 import pstats
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from common import graph_ms, make_callable, backend_usable
-from flashswitch import registry
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import backend_usable, device_name, env_info, graph_ms, now, results_dir  # noqa: E402
+import flashswitch  # noqa: E402
+from flashswitch import registry  # noqa: E402
+
+# (label, shape): the tiny shapes of the target first, then the issue's shapes
 SHAPES = {
-    "chunk_summaries": [dict(B=1, H=16, N=32768, D=128, C=16), dict(B=2, H=16, N=8192, D=128, C=16)],
-    "eva_attention": [dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=16, W=2048, window="block"),
-                      dict(B=32, H=16, Hkv=16, Nq=1, Nk=32768, D=128, C=32, W=256, window="block")],
-    "expert_matmul": None,  # the paper shapes
+    "chunk_summaries": [("tiny", dict(B=1, H=2, N=64, D=64, C=16)),
+                        ("issue", dict(B=1, H=16, N=32768, D=128, C=16)),
+                        ("issue", dict(B=2, H=16, N=8192, D=128, C=16))],
+    "eva_attention": [("tiny decode", dict(B=1, H=8, Hkv=8, Nq=1, Nk=256, D=64, C=16, W=64, window="block")),
+                      ("tiny prefill", dict(B=1, H=2, Hkv=2, Nk=128, D=64, C=16, W=64, window="block")),
+                      ("issue", dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=16, W=2048, window="block")),
+                      ("issue", dict(B=32, H=16, Hkv=16, Nq=1, Nk=32768, D=128, C=32, W=256, window="block"))],
+    "expert_matmul": [("tiny", dict(T=16, S=2, E=4, d_in=64, d_out=64)),
+                      ("issue", dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True)),
+                      ("issue", dict(T=16384, S=8, E=512, d_in=1024, d_out=128, G_out=8, gated=False))],
 }
+CPU_SHAPES = {"chunk_summaries": 1, "eva_attention": 2, "expert_matmul": 1}  # tiny ones only without a GPU
 
 
-def host_us(fn, calls: int) -> float:
-    for _ in range(5):
+def public_calls(op: str, problem: dict, backend: str) -> dict:
+    """{row name: a no-argument public call} for one problem."""
+    if op == "expert_matmul":
+        p = dict(problem)
+        idx, E = p.pop("expert_idx"), p.pop("num_experts")
+        rt = flashswitch.route(idx, E)
+        x, w = p.pop("x"), p.pop("weight")
+        calls = {op: lambda: flashswitch.expert_matmul(x, rt, w, **p, backend=backend)}
+        if backend == "triton":  # route has no backend argument: one row per shape
+            calls["route"] = lambda: flashswitch.route(idx, E, check=False)
+        return calls
+    fn = getattr(flashswitch, op)
+    return {op: lambda: fn(**problem, backend=backend)}
+
+
+def bare_triton():
+    """A launch of a kernel that stores one element: Triton's own cost per call."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _store_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, offs.to(tl.float32), mask=offs < n)
+
+    x = torch.empty(16, device="cuda" if torch.cuda.is_available() else "cpu")
+    return lambda: _store_one[(1,)](x, 1, BLOCK=16)
+
+
+def sdpa(device: str, dtype: torch.dtype):
+    """SDPA on a tiny decode problem (B=1, H=8, one query, 256 keys, D=64)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, 8, 1, 64, generator=g, device=device, dtype=dtype)
+    k = torch.randn(1, 8, 256, 64, generator=g, device=device, dtype=dtype)
+    v = torch.randn(1, 8, 256, 64, generator=g, device=device, dtype=dtype)
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def stub_triton_launches() -> None:
+    """Make every Triton kernel launch a no-op (the binding and argument handling before it remain)."""
+    from triton.runtime import jit
+    jit.JITFunction.run = lambda self, *args, **kwargs: None
+    try:
+        from triton.runtime import interpreter
+        interpreter.InterpretedFunction.run = lambda self, *args, **kwargs: None
+    except ImportError:
+        pass
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def host_us(fn, calls: int, repeats: int = 5) -> float:
+    """Median over `repeats` rounds of the host time per call (CPU time of this process: other
+    processes on the host do not count)."""
+    for _ in range(10):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    sync()
+    rounds = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.process_time() - t0) / calls * 1e6)
+        sync()
+    return sorted(rounds)[len(rounds) // 2]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", nargs="+", default=list(SHAPES))
-    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--backends", nargs="+", default=["triton", "cuda", "cupy"])
-    ap.add_argument("--profile", action="store_true", help="cProfile 50 calls of each shape and backend")
+    ap.add_argument("--tiny-only", action="store_true", help="only the tiny shapes")
+    ap.add_argument("--stub", action="store_true", help="Triton launches as no-ops (flashswitch's own cost)")
+    ap.add_argument("--profile", action="store_true", help="cProfile 100 calls of each row")
+    ap.add_argument("--out", type=Path, default=None, help="folder for host_time.json/.md")
     args = ap.parse_args()
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    stub = args.stub or not gpu
+    if stub:
+        stub_triton_launches()
+    dtype = "bf16" if gpu else "fp32"
+    rows = []
+
+    def record(op, label, shape, backend, fn):
+        with torch.no_grad():
+            h = host_us(fn, args.calls)
+            g = graph_ms([fn]) if gpu and not stub else None
+        rows.append(dict(op=op, label=label, shape=registry.describe(shape), backend=backend, host_us=round(h, 2),
+                         kernel_us=None if g is None else round(g * 1e3, 2)))
+        g_txt = f"{g * 1e3:9.1f}" if g else "      n/a"
+        print(f"{op:16s} {label:13s} {registry.describe(shape):52s} {backend:9s} host {h:8.1f} us/call  "
+              f"kernel (graph) {g_txt} us", flush=True)
+        if args.profile:
+            prof = cProfile.Profile()
+            with torch.no_grad():
+                prof.enable()
+                for _ in range(100):
+                    fn()
+                prof.disable()
+            sync()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+    record("baseline", "tiny", {}, "triton bare", bare_triton())
+    if gpu:
+        record("baseline", "tiny decode", dict(B=1, H=8, Nq=1, Nk=256, D=64), "sdpa", sdpa(device, torch.bfloat16))
     for op in args.ops:
         spec = registry.get(op)
         shapes = SHAPES[op]
-        if shapes is None:
-            from flashswitch.reference.expert_matmul import paper_shapes
-            shapes = list(paper_shapes(16384).values())[:4]
-        for shape in shapes:
-            problem = spec.random_problem(**shape, dtype="bf16", device="cuda", seed=0)
+        if args.tiny_only or not gpu:
+            shapes = [s for s in shapes if s[0].startswith("tiny")]
+        for label, shape in shapes:
+            problem = spec.random_problem(**shape, dtype=dtype, device=device, seed=0)
             for backend in args.backends:
-                if not backend_usable(backend):
+                if not (backend_usable(backend) if gpu else backend == "triton"):
                     continue
-                fn = make_callable(spec, backend, problem)
-                h = host_us(fn, args.calls)
-                g = graph_ms([fn])
-                g_txt = f"{g * 1e3:8.1f}" if g else "     n/a"
-                print(f"{op:16s} {registry.describe(shape):48s} {backend:7s} host {h:8.1f} us/call  "
-                      f"kernel (graph) {g_txt} us", flush=True)
-                if args.profile:
-                    prof = cProfile.Profile()
-                    prof.enable()
-                    for _ in range(50):
-                        fn()
-                    prof.disable()
-                    torch.cuda.synchronize()
-                    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+                for name, fn in public_calls(op, problem, backend).items():
+                    record(name, label, shape, backend if name != "route" else "-", fn)
+
+    folder = args.out or results_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {**env_info(), "created": now(), "calls": args.calls, "stub": stub, "dtype": dtype,
+            "device_name": device_name()}
+    (folder / "host_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    lines = [f"# Host time per call ({meta['device']}, {dtype}{', Triton launches stubbed' if stub else ''})", "",
+             "Public call path (validation, backend choice, config lookup, launch), CPU time per call; kernel: "
+             "CUDA-graph replay. `python bench/host_time.py" + (" --stub" if stub and gpu else "") + "`", "",
+             "| op | shape | backend | host us/call | kernel us |", "|---|---|---|---:|---:|"]
+    for r in rows:
+        k = "" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
+        lines.append(f"| {r['op']} | {r['label']}: {r['shape']} | {r['backend']} | {r['host_us']:.1f} | {k} |")
+    (folder / "host_time.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {folder / 'host_time.json'} and host_time.md")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,16 @@ from typing import Optional, Sequence
 
 import torch
 
-BACKENDS = ("reference", "triton", "cuda", "cupy")
 BACKEND_ENV = "FLASHSWITCH_BACKEND"  # forces the backend that backend="auto" picks
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+BACKENDS = ("reference", "triton", "cuda", "cupy")
+KERNEL_BACKENDS = BACKENDS[1:]  # the ones that launch kernels (and run the Triton backward kernels)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 # ---------------------------------------------------------------- argument checks
@@ -66,7 +72,7 @@ def _importable(module: str) -> bool:
 
 
 def triton_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return (env_get("TRITON_INTERPRET") or "0") not in ("", "0")
 
 
 def backend_available(backend: str, device: torch.device) -> bool:
@@ -103,7 +109,7 @@ def _resolve_backend(op: str, backend: str, device: str, bucket: Optional[tuple]
     device = torch.device(device)
     bucket = None if bucket is None else dict(bucket)
     if backend == "auto":
-        backend = os.environ.get(BACKEND_ENV, "auto").strip() or "auto"
+        backend = (env_get(BACKEND_ENV) or "auto").strip() or "auto"
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"environment variable {BACKEND_ENV}={backend!r} is not a backend; expected one of "
                              f"{BACKENDS} or 'auto'")
@@ -114,7 +120,7 @@ def _resolve_backend(op: str, backend: str, device: str, bucket: Optional[tuple]
         best = store.best_backend(op, bucket) if bucket is not None else None
         if best is not None and backend_available(best, device):
             return best
-        for candidate in ("triton", "cuda", "cupy"):
+        for candidate in KERNEL_BACKENDS:
             if backend_available(candidate, device):
                 return candidate
         return "reference"
@@ -136,9 +142,33 @@ def eager_fast_path(*tensors) -> bool:
 
 
 # ---------------------------------------------------------------- outputs
+_ENV_KEYS: dict = {}  # setting name -> its key in the dict under os.environ
+
+
+def env_raw(name: str):
+    """The setting `name` as the dict under os.environ (CPython's `_data`) holds it (bytes on POSIX), or
+    None: os.environ.get costs about a microsecond a name (Mapping layers, key encoding, value
+    decoding), and the call path reads a few settings on every call. Where os.environ has no such
+    dict, os.environ.get(name)."""
+    env = os.environ
+    try:
+        return env._data.get(_ENV_KEYS[name])
+    except (AttributeError, KeyError):
+        if not isinstance(getattr(env, "_data", None), dict) or not hasattr(env, "encodekey"):
+            return env.get(name)
+        _ENV_KEYS[name] = env.encodekey(name)
+        return env._data.get(_ENV_KEYS[name])
+
+
+def env_get(name: str) -> Optional[str]:
+    """os.environ.get(name), through env_raw."""
+    value = env_raw(name)
+    return value if value is None or isinstance(value, str) else os.environ.decodevalue(value)
+
+
 def env_flag(name: str) -> bool:
     """A boolean environment variable: unset, empty, 0, false, no and off (any case) read as off."""
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return (env_get(name) or "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def poison_outputs() -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-BACKENDS = ("reference", "triton", "cuda", "cupy")
+from flashswitch._common import BACKENDS
 
 
 def _pow2(lo: int, hi: int) -> Callable:
@@ -85,6 +85,15 @@ CONFIG_KEYS: dict[tuple, set] = {
 }
 
 
+# Keys a forward Triton launcher reads without a fallback: a config lacking one gets the heuristic default
+# under it (call_plan.complete_config). Backward configs must be complete; the other keys are optional.
+REQUIRED_KEYS: dict[tuple, tuple] = {
+    ("chunk_summaries", "triton"): ("BLOCK_CHUNKS", "num_warps", "num_stages"),
+    ("eva_attention", "triton"): ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+    ("expert_matmul", "triton"): ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_N", "INTERLEAVE", "num_warps", "num_stages"),
+}
+
+
 def config_problems(table: str, backend: str, cfg) -> list[str]:
     """What is wrong with one kernel config (empty when it is valid). Tables without a declared key set
     (an op the tooling was extended with) are checked for types only."""
@@ -103,7 +112,7 @@ def config_problems(table: str, backend: str, cfg) -> list[str]:
             continue
         ok, want = check(value)
         if not ok:
-            out.append(f"config {key}={value!r} must be {want}")
+            out.append(f"config {key} must be {want}, got {value!r}")
     return out
 
 

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import itertools
 
+from flashswitch._common import next_pow2  # noqa: F401  (space.next_pow2: the tile rounding of the launchers)
+
 
 def pow2_bucket(n: int) -> int:
     """Round n >= 1 to the nearest power of two (on a log scale)."""
     n = max(int(n), 1)
     lo = 1 << (n.bit_length() - 1)
     return lo if n < lo * 1.5 else lo * 2
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def features(op: str, **kw) -> dict:

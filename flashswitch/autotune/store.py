@@ -25,6 +25,7 @@ from typing import Optional
 from flashswitch.autotune import schema, space
 
 PACKAGE_CONFIGS = Path(__file__).resolve().parent / "configs"
+generation = 0  # bumped by every write of this process: caches of lookups (call_plan) start over at once
 
 
 def config_dir() -> Path:
@@ -149,6 +150,8 @@ def save(data: dict, path: Path) -> None:
         os.replace(tmp, path)
         _stat_cache.pop(str(path), None)  # this process sees its own write at once
         _file_memo.clear()
+        global generation
+        generation += 1
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

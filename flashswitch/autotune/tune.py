@@ -34,7 +34,7 @@ from flashswitch import _common as C
 from flashswitch import registry
 from flashswitch.autotune import space, store
 
-KERNEL_BACKENDS = ("triton", "cuda", "cupy")
+KERNEL_BACKENDS = C.KERNEL_BACKENDS
 DEFAULT_BUDGET_S = 480.0
 MAX_RECORDED_FAILURES = 10
 RUNNERS_UP = 4  # the next-fastest configs kept beside the winner: how close the race was

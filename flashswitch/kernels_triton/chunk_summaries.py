@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashswitch._common import DTYPE_NAMES
-from flashswitch.autotune import space
+from flashswitch._common import next_pow2
 
 LOG2E = 1.4426950408889634
 MAX_BLOCK_J = 64
@@ -245,13 +244,13 @@ def _vec(strides, D, element_size) -> int:
 def block_sizes(chunk_size: int, head_dim: int, config: Optional[dict] = None) -> tuple[int, int]:
     """(BLOCK_J, BLOCK_D) for this chunk size and head dim: BLOCK_J is the config's (a power of two)
     or min(next_pow2(C), 64), never more than next_pow2(C)."""
-    block_j = min(space.next_pow2(chunk_size), MAX_BLOCK_J)
+    block_j = min(next_pow2(chunk_size), MAX_BLOCK_J)
     if config and config.get("BLOCK_J"):
         want = int(config["BLOCK_J"])
         if want < 1 or want & (want - 1):
             raise ValueError(f"config BLOCK_J must be a power of two >= 1, got {want}")
-        block_j = min(want, space.next_pow2(chunk_size))
-    return block_j, space.next_pow2(head_dim)
+        block_j = min(want, next_pow2(chunk_size))
+    return block_j, next_pow2(head_dim)
 
 
 def _fit_tile(block_chunks: int, block_j: int, block_d: int, budget: int) -> tuple[int, int]:
@@ -277,23 +276,19 @@ def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, sca
     """Fill k_sum, v_sum ([B, Hkv, Nc, D], k's dtype) and lse (fp32 [B, Hkv, Nc]).
 
     k, v: [B, Hkv, N, D] with a unit last stride. omega: None or a [B, Hkv, Nc, D] view (stride 0 is
-    fine). key_weight: None or [Hkv, D]. valid: None or bool [B, N] (any strides). config:
-    BLOCK_CHUNKS, optional BLOCK_J, num_warps, num_stages (missing keys take the heuristic default).
+    fine). key_weight: None or [Hkv, D]. valid: None or bool [B, N] (any strides). config (complete,
+    from call_plan.config or complete_config): BLOCK_CHUNKS, num_warps, num_stages, optional BLOCK_J.
     """
     B, H, N, D = k.shape
     C = min(int(chunk_size), max(N, 1))  # a chunk longer than N holds tokens [0, N): loop over those only
     Nc = k_sum.shape[2]
     if B * H * Nc == 0 or D == 0:
         return
-    cfg = dict(config or {})
-    if "BLOCK_CHUNKS" not in cfg:
-        feats = space.features("chunk_summaries", dtype=DTYPE_NAMES.get(k.dtype, ""), D=D, C=C, rows=B * H * N)
-        cfg = {**space.default_config("chunk_summaries", "triton", feats), **cfg}
-    BLOCK_J, BLOCK_D = block_sizes(C, D, cfg)
-    BLOCK_CHUNKS = int(cfg["BLOCK_CHUNKS"])
+    BLOCK_J, BLOCK_D = block_sizes(C, D, config)
+    BLOCK_CHUNKS = int(config["BLOCK_CHUNKS"])
     if BLOCK_CHUNKS < 1 or BLOCK_CHUNKS & (BLOCK_CHUNKS - 1):
         raise ValueError(f"config BLOCK_CHUNKS must be a power of two >= 1, got {BLOCK_CHUNKS}")
-    num_warps = int(cfg.get("num_warps", 1))
+    num_warps = int(config["num_warps"])
     BLOCK_CHUNKS, BLOCK_J = _fit_tile(BLOCK_CHUNKS, BLOCK_J, BLOCK_D, MAX_PER_THREAD * 32 * num_warps)
     n_blocks = triton.cdiv(Nc, BLOCK_CHUNKS)
 
@@ -326,5 +321,5 @@ def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, sca
         VEC=_vec(sk + sv, D, k.element_size()), VEC_OUT=_vec(sks + svs, D, k_sum.element_size()),
         OFFS_64=offs_64, D=D,
         BLOCK_CHUNKS=BLOCK_CHUNKS, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D,
-        num_warps=num_warps, num_stages=int(cfg.get("num_stages", 1)),
+        num_warps=num_warps, num_stages=int(config["num_stages"]),
     )

@@ -41,8 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashswitch._common import new_output
-from flashswitch.autotune import space
+from flashswitch._common import new_output, next_pow2
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -473,17 +472,11 @@ def _visible_blocks(t: int, C: int, W: int, sliding: bool, Nc: int, block_n: int
 
 def plan(q, k, k_sum, *, chunk_size, window_size, sliding, q_offset, config):
     """The launch geometry for a problem: dict with BLOCK_M, BLOCK_N, BLOCK_D, PACK_GQA, NUM_SPLITS,
-    num_warps, num_stages (missing config keys take the heuristic default of autotune.space)."""
+    num_warps, num_stages (a complete config: call_plan.config or complete_config)."""
     B, H, Nq, D = q.shape
     Hkv, Nc = k.shape[1], k_sum.shape[2]
     G = H // Hkv
-    cfg = dict(config or {})
-    needed = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-    if any(key not in cfg for key in needed):
-        feats = {"dtype": {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(q.dtype, "fp32"), "D": D,
-                 "C": chunk_size, "W": window_size, "window": "sliding" if sliding else "block",
-                 "decode": Nq <= 16}
-        cfg = {**space.default_config("eva_attention", "triton", feats), **cfg}
+    cfg = config
     pack = bool(cfg.get("PACK_GQA", G > 1))
     rows = Nq * G if pack else Nq
     block_m = int(cfg["BLOCK_M"])
@@ -491,8 +484,8 @@ def plan(q, k, k_sum, *, chunk_size, window_size, sliding, q_offset, config):
     for name, val in (("BLOCK_M", block_m), ("BLOCK_N", block_n)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"config {name} must be a power of two >= 16, got {val}")
-    block_m = min(block_m, max(16, space.next_pow2(rows)))
-    block_d = max(16, space.next_pow2(D))
+    block_m = min(block_m, max(16, next_pow2(rows)))
+    block_d = max(16, next_pow2(D))
     n_row_blocks = triton.cdiv(rows, block_m)
     programs = n_row_blocks * B * (Hkv if pack else H)
     splits = int(cfg.get("NUM_SPLITS", 0 if Nq <= 16 else 1))
@@ -554,7 +547,7 @@ def _qk_scale(scale: float) -> float:
 
 
 def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sliding, scale, q_offset,
-           log_count, config):
+           log_count, config, geometry=None):
     """Fill o ([B, H, Nq, D], q's dtype) and lse (fp32 [B, H, Nq], natural log).
 
     q: [B, H, Nq, D]; k, v: [B, Hkv, Nk, D]; k_sum, v_sum: [B, Hkv, Nc, D]; any strides with a unit
@@ -567,6 +560,7 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
     ignored), QREG (q held in registers for q.k: RS instead of SS wgmma on Hopper; default off),
     maxnreg (a register cap per thread; default none) and GLUON (the warp-specialized Hopper kernel
     of eva_attention_gluon.py, for the problems its `supports` takes; the others run this one).
+    geometry: what `plan` returns for these arguments, where the caller keeps it (ops/eva_attention.py).
     """
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
@@ -593,7 +587,8 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
                        q_offset=q_offset, log_count=log_count, config=config)
             return
     G = H // Hkv
-    geo = plan(q, k, k_sum, chunk_size=C, window_size=W, sliding=sliding, q_offset=q_offset, config=config)
+    geo = geometry or plan(q, k, k_sum, chunk_size=C, window_size=W, sliding=sliding, q_offset=q_offset,
+                           config=config)
     splits = geo["NUM_SPLITS"]
 
     if bias is not None:

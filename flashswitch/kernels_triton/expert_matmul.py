@@ -50,8 +50,6 @@ import torch
 import triton
 import triton.language as tl
 
-from flashswitch.autotune import space
-
 MAX_INTERLEAVE_E = 1024  # the interleaved schedule keeps all experts' tile counts in registers
 MAX_BLOCK_E = 1024       # experts scanned per step when a program looks for its tile
 
@@ -230,7 +228,6 @@ def _group_sum(src_ptr, y_ptr, R, d_out, spg, BLOCK_R: tl.constexpr, BLOCK_N: tl
     tl.store(y_ptr + (r.to(tl.int64) * d_out)[:, None] + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_N", "INTERLEAVE", "num_warps", "num_stages")
 REDUCE_MODES = ("atomic", "ordered")
 PARTIALS_MODES = ("fp32", "out")
 
@@ -271,26 +268,13 @@ def _launch_group_sum(scratch: torch.Tensor, y: torch.Tensor, R: int, d: int, sp
         scratch, y, R, d, spg, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=4)
 
 
-def _config(config, x3, weight, S, G_out, deterministic) -> dict:
-    cfg = dict(config or {})
-    if any(k not in cfg for k in _KEYS):
-        T, G_in, d_in = x3.shape
-        E, _, d_out = weight.shape
-        names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-        feats = space.features("expert_matmul", dtype=names[x3.dtype], wdtype=names[weight.dtype], d_in=d_in,
-                               d_out=d_out, E=E, S=S, G_in=G_in, G_out=G_out, tokens=T,
-                               deterministic=bool(deterministic))
-        cfg = {**space.default_config("expert_matmul", "triton", feats), **cfg}
-    return cfg
-
-
 def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
     """Fill y [T, G_out, d_out] (contiguous, x's dtype).
 
     x3: [T, G_in, d_in] with a unit last stride. weight: [E, d_in, d_out], any strides, x's dtype or
     fp32. gates: None or [T, S] (any float dtype, any strides). route: a `Route` (token, slot int32
-    [P]; offsets int64 [E+1]). config: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, INTERLEAVE, num_warps,
-    num_stages (missing keys take the heuristic default), optional REDUCE ("atomic" or "ordered") and
+    [P]; offsets int64 [E+1]). config (complete, from call_plan.config or complete_config): BLOCK_M,
+    BLOCK_N, BLOCK_K, GROUP_N, INTERLEAVE, num_warps, num_stages, optional REDUCE ("atomic" or "ordered") and
     PARTIALS ("fp32" or "out": the dtype of the per-pair partials of the slot sum; `deterministic`
     keeps fp32).
     """
@@ -303,18 +287,17 @@ def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
     if d_in == 0:
         y.zero_()
         return
-    cfg = _config(config, x3, weight, S, G_out, deterministic)
-    BM = _pow2("BLOCK_M", cfg["BLOCK_M"])
-    BN = _pow2("BLOCK_N", cfg["BLOCK_N"])
-    BK = _pow2("BLOCK_K", cfg["BLOCK_K"])
+    BM = _pow2("BLOCK_M", config["BLOCK_M"])
+    BN = _pow2("BLOCK_N", config["BLOCK_N"])
+    BK = _pow2("BLOCK_K", config["BLOCK_K"])
     n_tiles_n = triton.cdiv(d_out, BN)
-    group_n = max(1, min(int(cfg["GROUP_N"]), n_tiles_n))
-    interleave, block_e, grid_m, n_iter = _row_tile_grid(E, P, BM, bool(cfg["INTERLEAVE"]))
+    group_n = max(1, min(int(config["GROUP_N"]), n_tiles_n))
+    interleave, block_e, grid_m, n_iter = _row_tile_grid(E, P, BM, bool(config["INTERLEAVE"]))
 
-    reduce = cfg.get("REDUCE", "atomic")
+    reduce = config.get("REDUCE", "atomic")
     if reduce not in REDUCE_MODES:
         raise ValueError(f"config REDUCE must be one of {REDUCE_MODES}, got {reduce!r}")
-    partials = cfg.get("PARTIALS", "fp32")
+    partials = config.get("PARTIALS", "fp32")
     if partials not in PARTIALS_MODES:
         raise ValueError(f"config PARTIALS must be one of {PARTIALS_MODES}, got {partials!r}")
     part_dtype = torch.float32 if deterministic or partials == "fp32" else y.dtype
@@ -348,7 +331,7 @@ def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
         EVEN_K=d_in % BK == 0, DIV_K=_pow2_divisor(d_in, sx[0], sx[1]),
         DIV_N=_pow2_divisor(d_out, sw[0], sw[1], target.stride(0), target.stride(1)),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_E=block_e,
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+        num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
     )
     if scratch is not None:
         _launch_group_sum(scratch, y, T * G_out, d_out, S // G_out)

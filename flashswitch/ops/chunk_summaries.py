@@ -9,12 +9,15 @@ backend (triton, cuda, cupy); the reference backend is differentiated by autogra
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from flashswitch import _common as C
-from flashswitch.autotune import space, store
+from flashswitch import call_plan
+from flashswitch.autotune import space
 
 OP = "chunk_summaries"
 OP_BWD = OP + ".bwd"
@@ -33,6 +36,7 @@ def _features_bwd(k: torch.Tensor, chunk_size: int, key_weight, valid) -> dict:
 
 
 def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale, config=None):
+    """(k_sum, v_sum, lse) from `backend`'s launcher; config: complete (call_plan), None: looked up."""
     B, H, N, D = k.shape
     omega = _kernel_view(k, chunk_size, omega)
     Nc = -(-N // chunk_size)
@@ -46,7 +50,14 @@ def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale
         lse.copy_(torch_chunk_summaries(k, v, chunk_size, valid=valid, return_lse=True)[2])
         return k_sum, v_sum, lse
     if config is None:
-        config = store.lookup(OP, backend, _features(k, chunk_size, key_weight, valid))
+        config = call_plan.config(OP, backend, _features(k, chunk_size, key_weight, valid))
+    _launcher(backend)(k, v, omega, key_weight, valid, k_sum, v_sum, lse, chunk_size=chunk_size, scale=scale,
+                       config=config)
+    return k_sum, v_sum, lse
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher(backend: str) -> Callable:
     if backend == "triton":
         from flashswitch.kernels_triton.chunk_summaries import launch
     elif backend == "cuda":
@@ -55,8 +66,7 @@ def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale
         from flashswitch.bindings.cupy import chunk_summaries as launch
     else:
         raise ValueError(f"unknown kernel backend {backend!r}")
-    launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, chunk_size=chunk_size, scale=scale, config=config)
-    return k_sum, v_sum, lse
+    return launch
 
 
 @torch.library.custom_op("flashswitch::chunk_summaries", mutates_args=())
@@ -85,14 +95,14 @@ def _run_backward(backend: str, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, k
     """(dk, dv, domega, dkey_weight), None where omega / key_weight is None. Every kernel backend runs
     the Triton backward kernels. omega: None, [Hkv, D] or [B, Hkv, Nc, D]; dlse: None = no gradient
     into lse."""
-    if backend not in ("triton", "cuda", "cupy"):
+    if backend not in C.KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}")
     dk = C.new_output(tuple(k.shape), k.dtype, k.device)
     dv = C.new_output(tuple(v.shape), v.dtype, v.device)
     domega = None if omega is None else C.new_output(tuple(omega.shape), omega.dtype, omega.device)
     dkw = None if key_weight is None else C.new_output(tuple(key_weight.shape), key_weight.dtype, k.device)
     if config is None:
-        config = store.lookup(OP_BWD, "triton", _features_bwd(k, chunk_size, key_weight, valid))
+        config = call_plan.config(OP_BWD, "triton", _features_bwd(k, chunk_size, key_weight, valid))
     from flashswitch.kernels_triton.chunk_summaries_bwd import launch
     launch(k, v, omega, key_weight, valid, _unit_last(dk_sum), _unit_last(dv_sum), dlse, dk, dv, domega, dkw,
            chunk_size=chunk_size, scale=scale, config=config)
@@ -190,6 +200,8 @@ def run_kernel(backend: str, config: dict, k, v, chunk_size, omega=None, key_wei
                scale=None):
     """One kernel call with an explicit config, for the tuner and the benchmarks: (k_sum, v_sum, lse)."""
     scale = _validate(k, v, chunk_size, omega, key_weight, valid, scale)
+    if config is not None:
+        config = call_plan.complete_config(OP, backend, _features(k, chunk_size, key_weight, valid), config)
     return _run_backend(backend, k, v, chunk_size, omega, key_weight, valid, scale, config)
 
 
@@ -233,6 +245,41 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
     "triton", "cuda" or "cupy". Differentiable in k, v, omega and key_weight (and through lse); the
     kernel backends' gradients come from the Triton backward kernels.
     """
+    key = call_plan.key_or_none(_call_key, k, v, chunk_size, omega, key_weight, valid, scale, backend)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend)
+        _PLANS.put(key, plan)
+    if plan.backend == "reference":
+        from flashswitch.reference.chunk_summaries import torch_chunk_summaries
+        out = torch_chunk_summaries(k, v, chunk_size, omega=omega, key_weight=key_weight, valid=valid,
+                                    scale=plan.scale, return_lse=True)
+    elif C.eager_fast_path(k, v, omega, key_weight):
+        out = _run_backend(plan.backend, k, v, chunk_size, omega, key_weight, valid, plan.scale, plan.config)
+    else:
+        out = _chunk_summaries_op(k, v, chunk_size, omega, key_weight, valid, plan.scale, plan.backend)
+    return tuple(out) if return_lse else (out[0], out[1])
+
+
+# ---------------------------------------------------------------- call plans
+@dataclass(frozen=True)
+class _Plan:
+    """What a call decides from its arguments' metadata (call_plan.py)."""
+    backend: str
+    config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
+    scale: float
+
+
+_PLANS = call_plan.PlanCache()
+
+
+def _call_key(k, v, chunk_size, omega, key_weight, valid, scale, backend):
+    T, O, S = call_plan.tensor_key, call_plan.optional_tensor_key, call_plan.scalar_key
+    return (T(k), T(v), S(chunk_size), O(omega), O(key_weight), O(valid), S(scale), S(backend))
+
+
+def _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend) -> _Plan:
+    """Every check, the backend and the config: the uncached part of a call."""
     scale = _validate(k, v, chunk_size, omega, key_weight, valid, scale)
     bucket = _features(k, chunk_size, key_weight, valid) if k.is_cuda else None
     if k.shape[-1] > MAX_KERNEL_D and backend == "auto":
@@ -241,16 +288,11 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
     if backend != "reference" and k.shape[-1] > MAX_KERNEL_D:
         raise ValueError(f"k has head dim D={k.shape[-1]}; the {backend} kernels support D <= {MAX_KERNEL_D} "
                          f"(use backend='reference')")
-    if backend == "reference":
-        from flashswitch.reference.chunk_summaries import torch_chunk_summaries
-        out = torch_chunk_summaries(k, v, chunk_size, omega=omega, key_weight=key_weight, valid=valid,
-                                    scale=scale, return_lse=True)
-    else:
-        if C.eager_fast_path(k, v, omega, key_weight):
-            out = _run_backend(backend, k, v, chunk_size, omega, key_weight, valid, scale)
-        else:
-            out = _chunk_summaries_op(k, v, chunk_size, omega, key_weight, valid, scale, backend)
-    return tuple(out) if return_lse else (out[0], out[1])
+    B, H, N, D = k.shape
+    config = None
+    if backend != "reference" and B * H * N and D and not torch.compiler.is_compiling():
+        config = call_plan.config(OP, backend, bucket or _features(k, chunk_size, key_weight, valid))
+    return _Plan(backend, config, scale)
 
 
 __all__ = ["chunk_summaries"]

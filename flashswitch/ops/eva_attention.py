@@ -9,12 +9,15 @@ summary are simply absent (a shorter list is not padded, a longer one is not an 
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from flashswitch import _common as C
-from flashswitch.autotune import space, store
+from flashswitch import call_plan
+from flashswitch.autotune import space
 
 OP = "eva_attention"
 OP_BWD = OP + ".bwd"
@@ -35,15 +38,8 @@ def _features_bwd(q: torch.Tensor, k: torch.Tensor, chunk_size: int, window_size
                           decode=Nq <= 16, rows=B * H * Nq, keys=k.shape[2])
 
 
-def _run_backend(backend: str, q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset,
-                 log_count, config=None):
-    B, H, Nq, D = q.shape
-    o = C.new_output((B, H, Nq, D), q.dtype, q.device)
-    lse = C.new_output((B, H, Nq), torch.float32, q.device)
-    if B * H * Nq == 0:
-        return o, lse
-    if config is None:
-        config = store.lookup(OP, backend, _features(q, k, chunk_size, window_size, window))
+@functools.lru_cache(maxsize=None)
+def _launcher(backend: str) -> Callable:
     if backend == "triton":
         from flashswitch.kernels_triton.eva_attention import launch
     elif backend == "cuda":
@@ -52,8 +48,23 @@ def _run_backend(backend: str, q, k, v, k_sum, v_sum, bias, chunk_size, window_s
         from flashswitch.bindings.cupy import eva_attention as launch
     else:
         raise ValueError(f"unknown kernel backend {backend!r}")
-    launch(q, k, v, k_sum, v_sum, bias, o, lse, chunk_size=chunk_size, window_size=window_size,
-           sliding=window == "sliding", scale=scale, q_offset=q_offset, log_count=log_count, config=config)
+    return launch
+
+
+def _run_backend(backend: str, q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset,
+                 log_count, config=None, launch=None):
+    """(o, lse) from `backend`'s launcher (or `launch`, a call plan's); config: complete (call_plan),
+    None: looked up."""
+    B, H, Nq, D = q.shape
+    o = C.new_output((B, H, Nq, D), q.dtype, q.device)
+    lse = C.new_output((B, H, Nq), torch.float32, q.device)
+    if B * H * Nq == 0:
+        return o, lse
+    if config is None:
+        config = call_plan.config(OP, backend, _features(q, k, chunk_size, window_size, window))
+    (launch or _launcher(backend))(q, k, v, k_sum, v_sum, bias, o, lse, chunk_size=chunk_size, window_size=window_size,
+                       sliding=window == "sliding", scale=scale, q_offset=q_offset, log_count=log_count,
+                       config=config)
     return o, lse
 
 
@@ -77,7 +88,7 @@ def _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_
                   q_offset, log_count, config=None):
     """(dq, dk, dv, dk_sum, dv_sum, dbias) by the Triton backward kernels, whichever the forward backend
     was; dbias is fp32 [B, Hkv, Nc] for a tensor bias, an empty tensor otherwise. dlse may be None."""
-    if backend not in ("triton", "cuda", "cupy"):
+    if backend not in C.KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}")
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
@@ -92,7 +103,7 @@ def _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_
             t.zero_()
         return dq, dk, dv, dk_sum, dv_sum, dbias
     if config is None:
-        config = store.lookup(OP_BWD, "triton", _features_bwd(q, k, chunk_size, window_size, window))
+        config = call_plan.config(OP_BWD, "triton", _features_bwd(q, k, chunk_size, window_size, window))
     if do.stride(-1) != 1:  # e.g. an expanded gradient
         do = do.contiguous()
     if dlse is not None and dlse.stride(-1) != 1:
@@ -225,6 +236,8 @@ def run_kernel(backend: str, config: dict, q, k, v, k_sum, v_sum, chunk_size, wi
     """One kernel call with an explicit config, for the tuner and the benchmarks: (o, lse)."""
     scale, q_offset, bias, log_count = _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
                                                  summary_bias, q_offset)
+    if config is not None:
+        config = call_plan.complete_config(OP, backend, _features(q, k, chunk_size, window_size, window), config)
     return _run_backend(backend, q, k, v, k_sum, v_sum, _kernel_bias(bias), chunk_size, window_size, window,
                         scale, q_offset, log_count, config)
 
@@ -269,23 +282,67 @@ def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torc
     backends ("triton", "cuda", "cupy") all run the Triton backward kernels (recomputing the
     softmax from the saved lse; deterministic); "reference" differentiates the torch reference.
     """
+    key = call_plan.key_or_none(_call_key, q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
+                                summary_bias, q_offset, backend)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset, backend)
+        _PLANS.put(key, plan)
+    if plan.backend == "reference":
+        from flashswitch.reference.eva_attention import torch_eva_attention
+        out = torch_eva_attention(q, k, v, k_sum, v_sum, chunk_size=chunk_size, window_size=window_size,
+                                  window=window, scale=plan.scale, summary_bias=summary_bias, q_offset=plan.q_offset,
+                                  return_lse=True)
+    else:
+        bias = summary_bias.to(torch.float32) if plan.bias_tensor else None
+        args = (q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, plan.scale, plan.q_offset,
+                plan.log_count)
+        if C.eager_fast_path(q, k, v, k_sum, v_sum, bias):
+            out = _run_backend(plan.backend, *args, config=plan.config, launch=plan.launch)
+        else:
+            out = _eva_attention_op(*args, plan.backend)
+    return tuple(out) if return_lse else out[0]
+
+
+# ---------------------------------------------------------------- call plans
+@dataclass(frozen=True)
+class _Plan:
+    """What a call decides from its arguments' metadata (call_plan.py)."""
+    backend: str
+    config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
+    scale: float
+    q_offset: int
+    bias_tensor: bool
+    log_count: bool
+    launch: Optional[Callable] = None  # the launcher, with its launch geometry bound where it has one
+
+
+_PLANS = call_plan.PlanCache()
+
+
+def _call_key(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset, backend):
+    T, S = call_plan.tensor_key, call_plan.scalar_key
+    bias = T(summary_bias) if isinstance(summary_bias, torch.Tensor) else S(summary_bias)
+    return (T(q), T(k), T(v), T(k_sum), T(v_sum), S(chunk_size), S(window_size), S(window), S(scale), bias,
+            S(q_offset), S(backend))
+
+
+def _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset, backend) -> _Plan:
+    """Every check, the backend and the config: the uncached part of a call."""
     scale, q_offset, bias, log_count = _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
                                                  summary_bias, q_offset)
     bucket = _features(q, k, chunk_size, window_size, window) if q.is_cuda else None
     backend = C.resolve_backend(OP, backend, q.device, bucket)
-    if backend == "reference":
-        from flashswitch.reference.eva_attention import torch_eva_attention
-        out = torch_eva_attention(q, k, v, k_sum, v_sum, chunk_size=chunk_size, window_size=window_size,
-                                  window=window, scale=scale, summary_bias=summary_bias, q_offset=q_offset,
-                                  return_lse=True)
-    else:
-        bias = _kernel_bias(bias)
-        args = (q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset, log_count)
-        if C.eager_fast_path(q, k, v, k_sum, v_sum, bias):
-            out = _run_backend(backend, *args)
-        else:
-            out = _eva_attention_op(*args, backend)
-    return tuple(out) if return_lse else out[0]
+    config = launch = None
+    if backend != "reference" and q.shape[0] * q.shape[1] * q.shape[2] and not torch.compiler.is_compiling():
+        config = call_plan.config(OP, backend, bucket or _features(q, k, chunk_size, window_size, window))
+        launch = _launcher(backend)
+        if backend == "triton":
+            from flashswitch.kernels_triton import eva_attention as kernels
+            geometry = kernels.plan(q, k, k_sum, chunk_size=chunk_size, window_size=window_size,
+                                    sliding=window == "sliding", q_offset=q_offset, config=config)
+            launch = functools.partial(launch, geometry=geometry)
+    return _Plan(backend, config, scale, q_offset, bias is not None, log_count, launch)
 
 
 __all__ = ["eva_attention", "run_backward", "GRAD_INPUTS"]

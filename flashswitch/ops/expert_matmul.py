@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
 from flashswitch import _common as C
-from flashswitch.autotune import space, store
+from flashswitch import call_plan
+from flashswitch.autotune import space
 
 OP = "expert_matmul"
 OP_BWD = OP + ".bwd"  # the backward kernels' table in the tuned-config store and key in autotune/space.py
@@ -251,6 +252,7 @@ def _features(x3: torch.Tensor, weight: torch.Tensor, S: int, G_out: int, determ
                           deterministic=bool(deterministic))
 
 
+@functools.lru_cache(maxsize=None)
 def _launcher(backend: str):
     if backend == "triton":
         from flashswitch.kernels_triton.expert_matmul import launch
@@ -270,7 +272,7 @@ def _run_backend(backend: str, x3, weight, gates, rt: Route, G_out: int, determi
     if y.numel() == 0:
         return y
     if config is None:
-        config = store.lookup(OP, backend, _features(x3, weight, rt.S, G_out, deterministic))
+        config = call_plan.config(OP, backend, _features(x3, weight, rt.S, G_out, deterministic))
     _launcher(backend)(x3, weight, gates, rt, y, G_in=G_in, G_out=G_out, deterministic=deterministic,
                        config=config)
     return y
@@ -303,7 +305,7 @@ def _run_backward(backend: str, dy, x3, weight, gates, rt: Route, G_out: int, ne
     """(dx3, dweight, dgates) from the Triton backward kernels (every kernel backend uses them); a
     gradient not asked for (or gates None) is an empty tensor. dweight is exactly zero for experts
     with no pairs; the result is bitwise reproducible (no float atomics, fixed-order sums)."""
-    if backend not in ("triton", "cuda", "cupy"):
+    if backend not in C.KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}")
     T, G_in, d_in = x3.shape
     dev = x3.device
@@ -315,7 +317,7 @@ def _run_backward(backend: str, dy, x3, weight, gates, rt: Route, G_out: int, ne
         return dx, dw, dg
     dy = dy.to(x3.dtype).contiguous()  # e.g. the expanded (stride 0) gradient of y.sum()
     if config is None:
-        config = store.lookup(OP_BWD, "triton", _features_bwd(x3, weight, rt.S, G_out, gates is not None))
+        config = call_plan.config(OP_BWD, "triton", _features_bwd(x3, weight, rt.S, G_out, gates is not None))
     from flashswitch.kernels_triton.expert_matmul_bwd import launch
     launch(x3, weight, gates, rt, dy, dx if need_x else None, dw if need_weight else None,
            dg if need_gates else None, G_in=G_in, G_out=G_out, config=config)
@@ -386,6 +388,8 @@ def run_kernel(backend: str, config, x, expert_idx, num_experts, weight, gates=N
         return torch_expert_matmul(x, expert_idx, weight, gates=gates, out_groups=out_groups)
     rt = route(expert_idx, num_experts, check=False)
     G_in, G_out = _validate(x, rt, weight, gates, out_groups, deterministic)
+    if config is not None:
+        config = call_plan.complete_config(OP, backend, _features(_x3(x), weight, rt.S, G_out, deterministic), config)
     return _run_backend(backend, _x3(x), weight, gates, rt, G_out, deterministic, config)
 
 
@@ -438,21 +442,55 @@ def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates:
     says; dweight has weight's dtype (fp32 master weights get fp32 gradients) and is zero for experts
     with no pairs; the reference backend differentiates the torch reference.
     """
-    G_in, G_out = _validate(x, route, weight, gates, out_groups, deterministic)
+    key = call_plan.key_or_none(_call_key, x, route, weight, gates, out_groups, deterministic, backend)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(x, route, weight, gates, out_groups, deterministic, backend)
+        _PLANS.put(key, plan)
     if not torch.compiler.is_compiling():
         route.validate()  # a hand-built route, once (routes from route() are known good)
-    x3 = _x3(x)
-    bucket = _features(x3, weight, route.S, G_out, deterministic) if x.is_cuda else None
-    backend = C.resolve_backend(OP, backend, x.device, bucket)
-    if backend == "reference":
+    if plan.backend == "reference":
         if route.expert_idx is None:
             raise ValueError("the reference backend needs a route built by flashswitch.route (with expert_idx)")
         from flashswitch.reference.expert_matmul import torch_expert_matmul
         return torch_expert_matmul(x, route.expert_idx, weight, gates=gates, out_groups=out_groups)
+    x3 = _x3(x)
     if C.eager_fast_path(x3, weight, gates):
-        return _run_backend(backend, x3, weight, gates, route, G_out, deterministic)
-    return _expert_matmul_op(x3, weight, gates, route.token, route.slot, route.offsets, route.S, G_out,
-                             deterministic, backend)
+        return _run_backend(plan.backend, x3, weight, gates, route, plan.G_out, deterministic, plan.config)
+    return _expert_matmul_op(x3, weight, gates, route.token, route.slot, route.offsets, route.S, plan.G_out,
+                             deterministic, plan.backend)
+
+
+# ---------------------------------------------------------------- call plans
+@dataclass(frozen=True)
+class _Plan:
+    """What a call decides from its arguments' metadata (call_plan.py)."""
+    backend: str
+    config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
+    G_out: int
+
+
+_PLANS = call_plan.PlanCache()
+
+
+def _call_key(x, route, weight, gates, out_groups, deterministic, backend):
+    """The route by its class, sizes and device: its tensors' dtypes and lengths are checked when it is
+    made, its values by route.validate() on every call."""
+    T, S = call_plan.tensor_key, call_plan.scalar_key
+    rt = (route.__class__, route.T, route.S, route.E, route.offsets.device)
+    return (T(x), rt, T(weight), call_plan.optional_tensor_key(gates), S(out_groups), S(deterministic), S(backend))
+
+
+def _plan(x, route, weight, gates, out_groups, deterministic, backend) -> _Plan:
+    """Every check, the backend and the config: the uncached part of a call."""
+    G_in, G_out = _validate(x, route, weight, gates, out_groups, deterministic)
+    x3 = _x3(x)
+    bucket = _features(x3, weight, route.S, G_out, deterministic) if x.is_cuda else None
+    backend = C.resolve_backend(OP, backend, x.device, bucket)
+    config = None
+    if backend != "reference" and x.shape[0] * weight.shape[2] and not torch.compiler.is_compiling():
+        config = call_plan.config(OP, backend, bucket or _features(x3, weight, route.S, G_out, deterministic))
+    return _Plan(backend, config, G_out)
 
 
 __all__ = ["Route", "route", "expert_matmul"]

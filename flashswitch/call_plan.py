@@ -1,0 +1,162 @@
+"""Per-signature call plans: what an op call decides from its arguments' metadata, decided once.
+
+A public op call validates its arguments, buckets the problem, resolves the backend and looks its
+config up; on a small problem that host work costs more than the kernel. All of it depends only on
+the arguments' metadata (tensor types, dtypes, shapes, strides, devices; the scalar arguments with
+their types), on a few environment settings and on the tuned-config store. Each op keeps an LRU
+`PlanCache` keyed by that metadata (`tensor_key`, `scalar_key`): a key seen before was validated
+when its plan was made, so a hit skips the checks (a NaN scale, another dtype or a bool where an
+int belongs makes another key, which is validated again). Every cache here is emptied when an
+environment setting in ENV_VARS changes or the tuned-config store changes (`store.update` in this
+process at once, a file written by another process within a second).
+
+`config(table, backend, feats)` is the one config lookup of a kernel call: tuned or default, with
+the defaults merged into an incomplete tuned config and the schema checked, read-only.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from collections import OrderedDict
+from types import MappingProxyType
+from typing import Hashable, Mapping, Optional
+
+import torch
+
+from flashswitch import _common as C
+from flashswitch.autotune import schema, space, store
+
+# Settings the call path reads: backend choice, config folder, output poisoning, the Triton interpreter
+ENV_VARS = ("FLASHSWITCH_BACKEND", "FLASHSWITCH_CONFIG_DIR", "FLASHSWITCH_POISON", "TRITON_INTERPRET")
+STORE_RECHECK_S = 1.0  # how often the config file's modification time is looked at (as store.lookup does)
+_ALL: list["PlanCache"] = []
+
+
+class PlanCache:
+    """A bounded LRU map from a call key to its plan; `get(None)` misses and `put(None, ...)` keeps
+    nothing (an argument that makes no key is validated on every call)."""
+
+    def __init__(self, maxsize: int = 256):
+        self.maxsize = maxsize
+        self._data: OrderedDict = OrderedDict()
+        _ALL.append(self)
+
+    def get(self, key: Optional[Hashable]):
+        if key is None:
+            return None
+        check_state()
+        plan = self._data.get(key)
+        if plan is not None:
+            try:
+                self._data.move_to_end(key)
+            except KeyError:  # another thread evicted it meanwhile: the plan itself is still good
+                pass
+        return plan
+
+    def put(self, key: Optional[Hashable], plan) -> None:
+        if key is None:
+            return
+        self._data[key] = plan
+        if len(self._data) > self.maxsize:
+            self._data.popitem(last=False)
+
+    def clear(self) -> None:
+        self._data.clear()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def clear_all() -> None:
+    for cache in _ALL:
+        cache.clear()
+
+
+# ---------------------------------------------------------------- keys
+def tensor_key(t) -> tuple:
+    """What the checks of a tensor argument read: its type, dtype, shape, strides and device (raises
+    AttributeError / RuntimeError for a non-tensor or a layout without strides: no key then)."""
+    return (t.__class__, t.dtype, t.shape, t.stride(), t.device)
+
+
+def optional_tensor_key(t) -> Optional[tuple]:
+    return None if t is None else tensor_key(t)
+
+
+def scalar_key(x) -> tuple:
+    """A scalar argument with its type: 1, 1.0 and True pass different checks but compare equal."""
+    return (x.__class__, x)
+
+
+def key_or_none(build, *args) -> Optional[Hashable]:
+    """build(*args), or None where it raises (a non-tensor, an unhashable scalar) or while torch.compile
+    traces: those calls take the full path, whose checks raise the right error or trace as before."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        key = build(*args)
+        hash(key)
+    except Exception:
+        return None
+    return key
+
+
+# ---------------------------------------------------------------- invalidation
+def env_snapshot() -> tuple:
+    return tuple(map(C.env_raw, ENV_VARS))
+
+
+_seen = {"env": None, "generation": None, "file": None, "next_file_check": 0.0}
+
+
+def _file_state() -> tuple:
+    path = store._current_file()
+    return (None if path is None else str(path), None if path is None else store._mtime(str(path)))
+
+
+def check_state() -> None:
+    """Empty every plan and config cache when a setting of ENV_VARS or the tuned-config store changed."""
+    env = env_snapshot()
+    generation = store.generation
+    now = time.monotonic()
+    changed = env != _seen["env"] or generation != _seen["generation"]
+    if changed or now >= _seen["next_file_check"]:
+        file = _file_state()
+        changed = changed or file != _seen["file"]
+        _seen.update(env=env, generation=generation, file=file, next_file_check=now + STORE_RECHECK_S)
+    if changed:
+        clear_all()
+
+
+# ---------------------------------------------------------------- configs
+def complete_config(table: str, backend: str, feats: dict, cfg: Optional[Mapping]) -> dict:
+    """`cfg` with the heuristic default under it when it lacks a key the launcher requires
+    (schema.REQUIRED_KEYS; tables without required keys, the backward ones, take it as it is)."""
+    cfg = dict(cfg or {})
+    required = schema.REQUIRED_KEYS.get((table, backend), ())
+    if any(key not in cfg for key in required):
+        cfg = {**space.default_config(table, backend, feats), **cfg}
+    return cfg
+
+
+_CONFIGS = PlanCache(maxsize=1024)
+
+
+def config(table: str, backend: str, feats: dict) -> Mapping:
+    """The config of one kernel call (read-only): tuned (exact or nearest fitting bucket) or default,
+    completed and checked against the schema once per bucket."""
+    key = (table, backend, tuple(feats.items()))
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = complete_config(table, backend, feats, store.lookup(table, backend, feats))
+        problems = schema.config_problems(table, backend, cfg)
+        if problems:  # stored configs are checked when the file loads: a default the schema does not take
+            warnings.warn(f"flashswitch: the {table}/{backend} config {cfg} for {feats} breaks the config "
+                          f"schema: {'; '.join(problems)}", RuntimeWarning, stacklevel=2)
+        cfg = MappingProxyType(cfg)
+        _CONFIGS.put(key, cfg)
+    return cfg
+
+
+__all__ = ["PlanCache", "ENV_VARS", "check_state", "clear_all", "complete_config", "config", "key_or_none",
+           "optional_tensor_key", "scalar_key", "tensor_key"]
