@@ -162,17 +162,20 @@ def write_tables(data: dict, folder: Path) -> Path:
                      f"{_fmt(sp, '.2f')}x | {_fmt(ideal.get((size, n, m)), '.2f')}x | "
                      f"{_fmt(r.get('peak_bytes') and r['peak_bytes'] / GiB, '.1f')} |")
     lines += ["", "## Decode (one CUDA-graph-captured step per token)", "",
-              "| size | context | method | batch | ms / step | tokens/s | vs sdpa (same batch label) | "
-              "KV MiB / sequence | peak GiB |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+              "| size | context | method | decode kernel | batch | ms / step | tokens/s | vs sdpa (same batch label) | "
+              "KV MiB / sequence | peak GiB |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for (size, n, m, label), r in dec.items():
         base = dec.get((size, n, "sdpa", label))
         sp = r["tokens_per_s"] / base["tokens_per_s"] if base and r.get("tokens_per_s") and base.get(
             "tokens_per_s") else None
         batch = f"{r['batch']} (max)" if label == "max" else str(r["batch"])
-        lines.append(f"| {size} | {n} | {m} | {batch} | {_fmt(r.get('ms'), '.2f')} | "
+        lines.append(f"| {size} | {n} | {m} | {r.get('decode_kernel', '?')} | {batch} | {_fmt(r.get('ms'), '.2f')} | "
                      f"{_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(sp, '.2f')}x | "
                      f"{_fmt(r.get('kv_bytes_per_seq') and r['kv_bytes_per_seq'] / MiB, ',.1f')} | "
                      f"{_fmt(r.get('peak_bytes') and r['peak_bytes'] / GiB, '.1f')} |")
+    if any(r.get("method") == "sdpa" and r.get("decode_kernel") == "masked" for r in dec.values()):
+        lines += ["", "The `sdpa` rows decoded with masked SDPA (flash attention's variable-length kernel "
+                  "was unavailable in that run): not the flash baseline the comparison is meant against."]
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines += ["", "Cases that did not run: " + "; ".join(

@@ -88,7 +88,7 @@ class StaticKVCache:
         if decode not in DECODE_KERNELS:
             raise ValueError(f"decode must be one of {DECODE_KERNELS}, got {decode!r}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        device = torch.device("cpu" if device is None else device)
+        device = torch.empty(0, device="cpu" if device is None else device).device  # "cuda" -> "cuda:0"
         B, N = batch_size, max_seq_len
         self.batch_size, self.num_kv_heads, self.head_dim, self.max_seq_len = B, num_kv_heads, head_dim, N
         self.dtype, self.device, self.decode = dtype, device, decode
