@@ -181,3 +181,33 @@ def test_chunk_summaries_isolates_nonfinite(backend, N, C, D, omega, key_weight,
     keep[b, h, j // C] = False
     for what, x0, x1 in zip(("k_sum", "v_sum", "lse"), clean, dirty):
         assert torch.equal(x1[keep], x0[keep]), f"{backend}: {what} of another chunk changed"
+
+
+# ---------------------------------------------------------------- op 2: summary capacity (SPEC "Op 2")
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("window", ["block", "sliding"])
+def test_summary_capacity_is_never_read(backend, window):
+    """k_sum / v_sum / bias with more rows than ceil(Nk / C) (a preallocated summary buffer): the rows
+    past the summaries any query can see hold NaN / inf, and the output is bitwise that of the call
+    on the first ceil(Nk / C) rows; their gradients are exactly 0 and every gradient is finite."""
+    C, Nk, cap = 2, 37, 40
+    p = random_problem(1, 4, 2, None, Nk, 16, C, 8, window=window, summary_bias="tensor", device=DEVICE, seed=5)
+    Nc = p["k_sum"].shape[2]
+    big = dict(p)
+    for name, fill in (("k_sum", float("nan")), ("v_sum", float("inf")), ("summary_bias", float("nan"))):
+        t = p[name]
+        buf = torch.full(t.shape[:2] + (cap,) + t.shape[3:], fill, dtype=t.dtype, device=t.device)
+        buf[:, :, :Nc] = t
+        big[name] = buf
+    cases = _cases(backend)
+    for be, cfg in (cases[:1] + cases[-2:] if backend == "triton" else cases):
+        o1, l1 = _eva(be, cfg, big)
+        o0, l0 = _eva(be, cfg, p)
+        assert torch.equal(o1, o0) and torch.equal(l1, l0), (be, cfg)
+    grads = {n: big[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "k_sum", "v_sum")}
+    o, lse = op2.eva_attention(**{**big, **grads}, return_lse=True, backend=backend)
+    (o.square().sum() + lse.sum()).backward()
+    for n, t in grads.items():
+        assert torch.isfinite(t.grad).all(), n
+    for n in ("k_sum", "v_sum"):
+        assert torch.equal(grads[n].grad[:, :, Nc:], torch.zeros_like(grads[n].grad[:, :, Nc:])), n

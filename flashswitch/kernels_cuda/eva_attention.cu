@@ -403,6 +403,70 @@ __device__ __forceinline__ void store_rows(char* g, i64 stride, i64 nvalid, cons
   }
 }
 
+// Non-finite isolation in a masked block. There p = 0 on the keys a row cannot see, and P V would
+// multiply that 0 by an inf or NaN of V into NaN; so the staged V tile (BN rows, pitch LD) gets its
+// non-finite entries zeroed, and bad[tid] records whether this thread's share of its row held one
+// (P threads per key row, HD / P columns each). The rows whose p reaches such a key are then made
+// NaN (`eva_poison_rows`), as p . inf would have. Interior blocks, which every row sees whole, skip both.
+template <int DT, int HD>
+__device__ __forceinline__ void eva_sanitize_v(unsigned short* sV, int* bad) {
+  constexpr int BN = EvaTile<HD>::BN;
+  constexpr int P = FS_EVA_THREADS / BN;
+  static_assert(FS_EVA_THREADS % BN == 0 && (HD / P) % 8 == 0, "16-byte pieces of whole rows");
+  constexpr unsigned int EXP = DT == FS_DTYPE_F16 ? 0x7C00u : 0x7F80u;  // all-ones exponent: inf or NaN
+  uint4* piece = reinterpret_cast<uint4*>(sV + (threadIdx.x / P) * EvaTile<HD>::LD + (threadIdx.x % P) * (HD / P));
+  int any = 0;
+#pragma unroll
+  for (int c = 0; c < HD / P / 8; ++c) {
+    uint4 u = piece[c];
+    unsigned int w[4] = {u.x, u.y, u.z, u.w};
+    unsigned int hit = 0u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const unsigned int keep = ((w[i] & EXP) == EXP ? 0u : 0xffffu) | ((w[i] & (EXP << 16)) == (EXP << 16) ? 0u : 0xffff0000u);
+      hit |= ~keep;
+      w[i] &= keep;
+    }
+    if (hit) {
+      piece[c] = make_uint4(w[0], w[1], w[2], w[3]);
+      any = 1;
+    }
+  }
+  bad[threadIdx.x] = any;
+}
+
+// After eva_sanitize_v (and a barrier): rows hf = 0, 1 of this thread whose weight p (s, fp32) is > 0
+// on a key flagged in `bad` get a NaN accumulator; the row's 4 owners agree through two shuffles.
+template <int HD, int NT, int DTL>
+__device__ __forceinline__ void eva_poison_rows(const float (&s)[NT][4], float (&acc)[DTL][4], const int* bad,
+                                                int cq) {
+  constexpr int P = FS_EVA_THREADS / EvaTile<HD>::BN;
+  int hit[2] = {0, 0};
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+      const int key = 8 * j + 2 * cq + e2;
+      int b = 0;
+#pragma unroll
+      for (int x = 0; x < P; ++x) b |= bad[key * P + x];
+      if (b) {
+        hit[0] |= s[j][e2] > 0.f;
+        hit[1] |= s[j][2 + e2] > 0.f;
+      }
+    }
+  }
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    hit[hf] |= __shfl_xor_sync(0xffffffffu, hit[hf], 1);
+    hit[hf] |= __shfl_xor_sync(0xffffffffu, hit[hf], 2);
+    if (hit[hf]) {
+#pragma unroll
+      for (int dt = 0; dt < DTL; ++dt) acc[dt][2 * hf] = acc[dt][2 * hf + 1] = __int_as_float(0x7fc00000);
+    }
+  }
+}
+
 // A key block of a tile's list: rows n0 .. n0 + BN - 1 of (k, v) or of (k_sum, v_sum); rows at or
 // past `limit` are not read.
 struct EvaBlock {
@@ -428,6 +492,7 @@ __global__ void __launch_bounds__(FS_EVA_THREADS) eva_attention_fwd_kernel(FS_EV
   unsigned short* sQ = reinterpret_cast<unsigned short*>(eva_smem);  // [BM][LD]
   unsigned short* sK = sQ + BM * LD;                                 // [BN][LD]
   unsigned short* sV = sK + BN * LD;                                 // [BN][LD]
+  __shared__ int s_bad[FS_EVA_THREADS];                              // eva_sanitize_v's flags
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -517,6 +582,7 @@ __global__ void __launch_bounds__(FS_EVA_THREADS) eva_attention_fwd_kernel(FS_EV
     unsigned int qf[Q_REGS ? KQ : 1][4];
 
     for (i64 e = 0; e < nb; ++e) {
+      const bool masked = blk.masked;  // blk moves on to block e + 1 before P V
       cp_async_wait_all();
       __syncthreads();  // K (and Q) landed; every warp is done with the previous V
       load_tile<HD, BN>(sV, blk.v + blk.n0 * blk.sv, blk.sv, blk.limit - blk.n0, row_bytes, vec_bytes);
@@ -608,6 +674,11 @@ __global__ void __launch_bounds__(FS_EVA_THREADS) eva_attention_fwd_kernel(FS_EV
         blk = block_at(e + 1);
         load_tile<HD, BN>(sK, blk.k + blk.n0 * blk.sk, blk.sk, blk.limit - blk.n0, row_bytes, vec_bytes);
         cp_async_commit();
+      }
+      if (masked) {  // block-uniform
+        eva_sanitize_v<DT, HD>(sV, s_bad);
+        __syncthreads();
+        eva_poison_rows<HD, NT, DTL>(s, acc, s_bad, cq);
       }
 
       // O += P V. A = P: the S accumulators of key tiles 2kk, 2kk+1 are exactly the a0..a3 layout.
