@@ -57,10 +57,10 @@ def _seen_by(p, name, pos):
 
 
 def _poison(p, name, pos, d, value):
-    """A copy of p with p[name][b, hk, j, d] = value."""
+    """A copy of p with p[name][b, hk, j, d] = value (p[name][b, hk, j] for the summary bias)."""
     p = dict(p)
     t = p[name].clone()
-    t[pos + (d,)] = value
+    t[pos + ((d,) if t.dim() == 4 else ())] = value
     p[name] = t
     return p
 
@@ -99,7 +99,9 @@ def op2_cases(draw):
     kw = dict(B=draw(st.integers(1, 2)), H=Hkv * G, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, C=C, W=W, window=draw(
         st.sampled_from(["block", "sliding"])), summary_bias=draw(st.sampled_from([None, "log_count", "tensor"])),
         q_offset=q_offset, dtype=draw(st.sampled_from(dtypes)), seed=draw(st.integers(0, 999)))
-    name = draw(st.sampled_from(["k", "v", "k_sum", "v_sum"]))
+    name = draw(st.sampled_from(["k", "v", "k_sum", "v_sum"] + (["summary_bias"] if kw["summary_bias"] else [])))
+    if name == "summary_bias" and kw["summary_bias"] != "tensor":
+        name = "v_sum"
     n = Nk if name in ("k", "v") else -(-Nk // C)
     pos = (draw(st.integers(0, kw["B"] - 1)), draw(st.integers(0, Hkv - 1)), draw(st.integers(0, n - 1)))
     return kw, name, pos, draw(st.integers(0, D - 1)), draw(BAD)

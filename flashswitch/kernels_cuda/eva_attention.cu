@@ -16,7 +16,9 @@
 // the others compare positions per element. Nothing outside the intervals is read.
 // Per key block: K and V tiles are copied to shared memory with cp.async (rows past the interval
 // and columns past D are zero-filled), S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32
-// accumulators; the V copy overlaps S, the next K copy overlaps P V.
+// accumulators; the V copy overlaps S, the next K copy overlaps P V. In a masked block the staged V
+// loses its inf / NaN entries before P V, and only the rows whose p reaches one become NaN, so that a
+// non-finite input reaches only the queries that see it (eva_sanitize_v, eva_poison_rows).
 //
 // fp32: eva_attention_fwd_f32_kernel<EPL>, one warp per query row (lane l holds dims l + 32 e),
 // IEEE fp32 FMA dot products reduced with shuffles, same visibility and online softmax.
@@ -782,20 +784,22 @@ cudaError_t by_head_dim(const fs_eva_attention_args& a, const fs_eva_attention_p
 }
 
 template <int DT, int EPL>
-cudaError_t launch_decode(const fs_eva_attention_args& a, long long align, float scale_log2, cudaStream_t stream) {
-  const long long rows = a.B * a.H * a.Nq;
-  const unsigned int grid = (unsigned int)(rows < 0x7fffffffLL ? rows : 0x7fffffffLL);
-  const int vec = align >= 2 * EPL && a.D % EPL == 0 ? 2 * EPL : 0;  // one access per lane and row
-  flashswitch::eva_attention_decode_kernel<DT, EPL><<<grid, FS_EVA_DEC_WARPS * 32, 0, stream>>>(
-      FS_EVA_ARGS(a, scale_log2, vec));
+cudaError_t launch_decode(const fs_eva_attention_args& a, const fs_eva_attention_plan& p, float scale_log2,
+                          cudaStream_t stream) {
+  flashswitch::eva_attention_decode_kernel<DT, EPL><<<(unsigned int)p.grid, p.threads, 0, stream>>>(
+      FS_EVA_ARGS(a, scale_log2, p.vec_bytes));
   return cudaGetLastError();
 }
 
 template <int DT>
-cudaError_t decode_by_head_dim(const fs_eva_attention_args& a, long long align, float scale_log2, cudaStream_t s) {
-  if (a.D <= 64) return launch_decode<DT, 2>(a, align, scale_log2, s);
-  if (a.D <= 128) return launch_decode<DT, 4>(a, align, scale_log2, s);
-  return launch_decode<DT, 8>(a, align, scale_log2, s);
+cudaError_t decode_by_head_dim(const fs_eva_attention_args& a, const fs_eva_attention_plan& p, float scale_log2,
+                               cudaStream_t s) {
+  switch (p.head_dim) {
+    case 64: return launch_decode<DT, 2>(a, p, scale_log2, s);
+    case 128: return launch_decode<DT, 4>(a, p, scale_log2, s);
+    case 256: return launch_decode<DT, 8>(a, p, scale_log2, s);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 template <int EPL>
@@ -808,10 +812,25 @@ cudaError_t launch_f32(const fs_eva_attention_args& a, const fs_eva_attention_pl
 }  // namespace
 
 extern "C" cudaError_t fs_eva_attention_plan_for(long long D, int dtype, long long align, long long B, long long H,
-                                                 long long Nq, fs_eva_attention_plan* plan) {
+                                                 long long Nq, int decode, fs_eva_attention_plan* plan) {
   if (plan == nullptr || D < 0 || D > FS_EVA_MAX_D || align < 1 || B < 0 || H < 0 || Nq < 0) return cudaErrorInvalidValue;
+  const bool half = dtype == FS_DTYPE_F16 || dtype == FS_DTYPE_BF16;
+  if (decode && half && Nq <= FS_EVA_DEC_MAX_Q && D > 0) {  // one block per query row
+    const int epl = D <= 64 ? 2 : D <= 128 ? 4 : 8;
+    const long long rows = B * H * Nq;
+    plan->kernel = FS_EVA_KERNEL_DECODE;
+    plan->head_dim = 32 * epl;
+    plan->block_m = 1;
+    plan->block_n = 0;
+    plan->vec_bytes = align >= 2 * epl && D % epl == 0 ? 2 * epl : 0;  // one access per lane and row
+    plan->threads = FS_EVA_DEC_WARPS * 32;
+    plan->grid = rows < 0x7fffffffLL ? rows : 0x7fffffffLL;
+    plan->smem_bytes = 0;
+    return cudaSuccess;
+  }
   long long work;
   if (dtype == FS_DTYPE_F32) {
+    plan->kernel = FS_EVA_KERNEL_F32;
     const int epl = D <= 64 ? 2 : D <= 128 ? 4 : 8;
     plan->head_dim = 32 * epl;
     plan->block_m = FS_EVA_F32_ROWS;
@@ -825,6 +844,7 @@ extern "C" cudaError_t fs_eva_attention_plan_for(long long D, int dtype, long lo
     // widest access (16, 8, 4 or 2 bytes) dividing a row and every address / stride
     long long vb = 16;
     while (vb > 2 && ((D * 2) % vb != 0 || align % vb != 0)) vb /= 2;
+    plan->kernel = FS_EVA_KERNEL_TC;
     plan->head_dim = hd;
     plan->block_m = FS_EVA_BLOCK_M;
     plan->block_n = bn;
@@ -868,13 +888,13 @@ extern "C" cudaError_t fs_eva_attention_fwd(const fs_eva_attention_args* a, cuda
   }
 
   fs_eva_attention_plan p;
-  const cudaError_t err = fs_eva_attention_plan_for(a->D, a->dtype, align, a->B, a->H, a->Nq, &p);
+  const cudaError_t err = fs_eva_attention_plan_for(a->D, a->dtype, align, a->B, a->H, a->Nq, a->decode_kernel, &p);
   if (err != cudaSuccess) return err;
   if (p.grid == 0) return cudaSuccess;
   const float scale_log2 = (float)((double)a->scale * 1.4426950408889634);
-  if (a->decode_kernel && a->Nq <= FS_EVA_DEC_MAX_Q && a->D > 0) {
-    if (a->dtype == FS_DTYPE_F16) return decode_by_head_dim<FS_DTYPE_F16>(*a, align, scale_log2, stream);
-    if (a->dtype == FS_DTYPE_BF16) return decode_by_head_dim<FS_DTYPE_BF16>(*a, align, scale_log2, stream);
+  if (p.kernel == FS_EVA_KERNEL_DECODE) {
+    if (a->dtype == FS_DTYPE_F16) return decode_by_head_dim<FS_DTYPE_F16>(*a, p, scale_log2, stream);
+    return decode_by_head_dim<FS_DTYPE_BF16>(*a, p, scale_log2, stream);
   }
   switch (a->dtype) {
     case FS_DTYPE_F16: return by_head_dim<FS_DTYPE_F16>(*a, p, scale_log2, stream);

@@ -19,7 +19,9 @@ intervals reaches the output (k/v past t_max and summaries past the last visible
 anything, e.g. unused cache capacity): pointer loads mask those rows; with config TMA (tiles loaded
 by the tensor memory accelerator through descriptors) the five loops zero them in v on masked
 blocks, and the FUSE loop's descriptors end at the last key and summary any query sees, so that
-rows past them arrive as zeros.
+rows past them arrive as zeros. Masked blocks also zero the inf / NaN entries of v and make NaN only
+the rows whose p reaches one (`_isolate_nonfinite`): p = 0 on a key a row cannot see, and p·inf would
+be NaN in that row; so a non-finite input reaches only the queries that see it (SPEC.md, op 2).
 
 With NUM_SPLITS > 1 (flash-decoding) the list of key blocks of each tile is cut into NUM_SPLITS
 contiguous pieces, one per program along grid axis 2. Each writes a normalised partial output and
