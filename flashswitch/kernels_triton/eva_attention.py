@@ -137,7 +137,12 @@ def _isolate_nonfinite(v, p, acc):
     Masked blocks only: there p = 0 on the keys a row cannot see, and p * inf = NaN in p.v would turn
     that row into NaN; a row that sees such a value is NaN as it would be anyway. Interior blocks,
     which every row sees whole, skip it."""
-    fin = tl.abs(v.to(tl.float32)) < float("inf")                       # false for inf and NaN
+    if v.dtype == tl.float16:  # all-ones exponent: inf or NaN (tested on the bits, in v's registers)
+        fin = (v.to(tl.int16, bitcast=True) & 0x7C00) != 0x7C00
+    elif v.dtype == tl.bfloat16:
+        fin = (v.to(tl.int16, bitcast=True) & 0x7F80) != 0x7F80
+    else:
+        fin = tl.abs(v) < float("inf")                                  # false for inf and NaN
     bad = tl.max(tl.where(fin, 0, 1), axis=1)                           # keys with a non-finite value
     hit = tl.max(tl.where((p > 0.0) & (bad[None, :] != 0), 1, 0), axis=1)
     return tl.where(fin, v, 0.0), tl.where(hit[:, None] != 0, float("nan"), acc)
