@@ -171,7 +171,7 @@ def _eva_triton_config_fits(f: dict, cfg: dict) -> bool:
         bm, bn, w, s = (int(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
     except (KeyError, TypeError, ValueError):
         return True  # a partial config: the launcher fills in the defaults
-    return _eva_triton_fits(f, bm, bn, w, s, smem_kb=224)
+    return _eva_triton_fits(f, bm, bn, w, s + 1 if cfg.get("GLUON") else s, smem_kb=224)  # see the gluon space
 
 
 def _eva_triton_space(f: dict) -> list[dict]:
@@ -249,9 +249,11 @@ def _eva_triton_space(f: dict) -> list[dict]:
         # (1.11 ms vs 1.18 for the Triton tile on the H200); it lost sliding W = 256 and block D = 64.
         # D >= 32: the D's its GPU tests have passed at. First, for a tuning budget
         # cut short.
+        # (s + 1: its ring of s k/v stages plus two v tiles, one per consumer warpgroup, for the
+        # sanitized v of masked blocks)
         gluon = [{"GLUON": True, "BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": s}
                  for bn, s in ((64, 3), (64, 2), (64, 4), (128, 2))
-                 if _eva_triton_fits(f, 128, bn, 8, s, smem_kb=224)]
+                 if _eva_triton_fits(f, 128, bn, 8, s + 1, smem_kb=224)]
         out = gluon + out
     return out
 

@@ -440,6 +440,7 @@ EVA_F32_ROWS = 4
 EVA_DEC_WARPS = 8
 EVA_DEC_MAX_Q = 16
 EVA_BIAS_NONE, EVA_BIAS_TENSOR, EVA_BIAS_LOG_COUNT = 0, 1, 2
+EVA_KERNEL_TC, EVA_KERNEL_F32, EVA_KERNEL_DECODE = 0, 1, 2  # FS_EVA_KERNEL_*
 _EVA_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 
 
@@ -452,14 +453,19 @@ class EvaPlan(NamedTuple):
     threads: int
     grid: int
     smem_bytes: int
+    kernel: int
 
 
-def eva_plan(D: int, dtype: int, align: int, B: int, H: int, Nq: int) -> EvaPlan:
+def eva_plan(D: int, dtype: int, align: int, B: int, H: int, Nq: int, decode: int = 0) -> EvaPlan:
     """Mirror of fs_eva_attention_plan_for (kernels_cuda/eva_attention.cu), line for line. dtype: an
-    FS_DTYPE_* code (DTYPE_CODES)."""
+    FS_DTYPE_* code (DTYPE_CODES); decode: the decode kernel where it applies."""
     if D < 0 or D > EVA_MAX_D or align < 1 or B < 0 or H < 0 or Nq < 0 or dtype not in (0, 1, 2):
         raise ValueError(f"eva_attention: unsupported launch (D={D}, dtype={dtype}, align={align}); "
                          f"D must be <= {EVA_MAX_D}")
+    if decode and dtype != 0 and Nq <= EVA_DEC_MAX_Q and D > 0:  # one block per query row
+        epl = 2 if D <= 64 else 4 if D <= 128 else 8
+        vb = 2 * epl if align >= 2 * epl and D % epl == 0 else 0  # one access per lane and row
+        return EvaPlan(32 * epl, 1, 0, vb, EVA_DEC_WARPS * 32, min(B * H * Nq, 0x7FFFFFFF), 0, EVA_KERNEL_DECODE)
     if dtype == 0:
         epl = 2 if D <= 64 else 4 if D <= 128 else 8
         hd, bm, bn, vb, smem = 32 * epl, EVA_F32_ROWS, 0, 0, 0
@@ -472,7 +478,8 @@ def eva_plan(D: int, dtype: int, align: int, B: int, H: int, Nq: int) -> EvaPlan
             vb //= 2
         smem = (EVA_BLOCK_M + 2 * bn) * (hd + 8) * 2
         grid = B * H * ((Nq + EVA_BLOCK_M - 1) // EVA_BLOCK_M)
-    return EvaPlan(hd, bm, bn, vb, EVA_THREADS, min(grid, 0x7FFFFFFF), smem)
+    return EvaPlan(hd, bm, bn, vb, EVA_THREADS, min(grid, 0x7FFFFFFF), smem,
+                   EVA_KERNEL_F32 if dtype == 0 else EVA_KERNEL_TC)
 
 
 def _eva_check(name, t, shape, dtype, device, last=True):
@@ -530,17 +537,12 @@ def eva_attention(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_siz
     code = DTYPE_CODES[q.dtype]
     qs, ks = (B, H, Nq), (B, Hkv, Nk)
     align = alignment((q, k, v, k_sum, v_sum, o), (qs, ks, ks, (B, Hkv, Nc), (B, Hkv, Nc), qs))
-    p = eva_plan(D, code, align, B, H, Nq)
+    p = eva_plan(D, code, align, B, H, Nq, int(bool((config or {}).get("decode"))))
     if p.grid == 0:
         return
-    vec_bytes = p.vec_bytes
-    if (config or {}).get("decode") and code != 0 and Nq <= EVA_DEC_MAX_Q and D > 0:
-        # the decode kernel (as fs_eva_attention_fwd launches it): one block per query row
-        epl = 2 if D <= 64 else 4 if D <= 128 else 8
-        name = f"flashswitch::eva_attention_decode_kernel<{code},{epl}>"
-        vec_bytes = 2 * epl if align >= 2 * epl and D % epl == 0 else 0
-        p = p._replace(grid=min(B * H * Nq, 0x7FFFFFFF), threads=EVA_DEC_WARPS * 32, smem_bytes=0)
-    elif code == 0:
+    if p.kernel == EVA_KERNEL_DECODE:
+        name = f"flashswitch::eva_attention_decode_kernel<{code},{p.head_dim // 32}>"
+    elif p.kernel == EVA_KERNEL_F32:
         name = f"flashswitch::eva_attention_fwd_f32_kernel<{p.head_dim // 32}>"
     else:
         name = f"flashswitch::eva_attention_fwd_kernel<{code},{p.head_dim}>"
@@ -562,7 +564,7 @@ def eva_attention(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_siz
         *(i64(v.stride(i)) for i in range(3)), *(i64(k_sum.stride(i)) for i in range(3)),
         *(i64(v_sum.stride(i)) for i in range(3)), *(i64(s) for s in sb),
         *(i64(o.stride(i)) for i in range(3)), *(i64(lse.stride(i)) for i in range(3)),
-        scale_log2, np.int32(1 if sliding else 0), np.int32(bias_mode), np.int32(vec_bytes),
+        scale_log2, np.int32(1 if sliding else 0), np.int32(bias_mode), np.int32(p.vec_bytes),
     )
     launch(fn, index, p.grid, p.threads, p.smem_bytes, args)
 

@@ -4,9 +4,9 @@
 //   eva_attention_fwd(q, k, v, k_sum, v_sum, bias?, o!, lse!, chunk_size, window_size, sliding, scale,
 //                     q_offset, log_count, decode=0) -> ()   writes o, lse (CUDA tensors); decode=1: the
 //                     decode kernel (one block per query row) for fp16/bf16 with Nq <= 16
-//   eva_attention_plan(D, dtype, align, B, H, Nq) -> int[]
-//       the launch shape [head_dim, block_m, block_n, vec_bytes, threads, grid, smem_bytes] (for tests);
-//       dtype is an FS_DTYPE_* code (0 fp32, 1 fp16, 2 bf16)
+//   eva_attention_plan(D, dtype, align, B, H, Nq, decode=0) -> int[]
+//       the launch shape [head_dim, block_m, block_n, vec_bytes, threads, grid, smem_bytes, kernel] (for
+//       tests); dtype is an FS_DTYPE_* code (0 fp32, 1 fp16, 2 bf16), kernel an FS_EVA_KERNEL_* code
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -122,12 +122,14 @@ void eva_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               window_size, ", ", q.scalar_type(), "): ", cudaGetErrorString(err));
 }
 
-std::vector<int64_t> eva_attention_plan(int64_t D, int64_t dtype, int64_t align, int64_t B, int64_t H, int64_t Nq) {
+std::vector<int64_t> eva_attention_plan(int64_t D, int64_t dtype, int64_t align, int64_t B, int64_t H, int64_t Nq,
+                                        int64_t decode) {
   fs_eva_attention_plan p{};
-  const cudaError_t err = fs_eva_attention_plan_for(D, static_cast<int>(dtype), align, B, H, Nq, &p);
+  const cudaError_t err =
+      fs_eva_attention_plan_for(D, static_cast<int>(dtype), align, B, H, Nq, decode != 0 ? 1 : 0, &p);
   TORCH_CHECK(err == cudaSuccess, "eva_attention_plan: unsupported arguments (D=", D, ", dtype=", dtype,
               ", align=", align, ")");
-  return {p.head_dim, p.block_m, p.block_n, p.vec_bytes, p.threads, p.grid, p.smem_bytes};
+  return {p.head_dim, p.block_m, p.block_n, p.vec_bytes, p.threads, p.grid, p.smem_bytes, p.kernel};
 }
 
 }  // namespace
@@ -137,7 +139,8 @@ TORCH_LIBRARY_FRAGMENT(flashswitch_C, m) {
       "eva_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor k_sum, Tensor v_sum, Tensor? bias, Tensor(a!) o, "
       "Tensor(b!) lse, int chunk_size, int window_size, bool sliding, float scale, int q_offset, bool log_count, "
       "int decode=0) -> ()");
-  m.def("eva_attention_plan(int D, int dtype, int align, int B, int H, int Nq) -> int[]", &eva_attention_plan);
+  m.def("eva_attention_plan(int D, int dtype, int align, int B, int H, int Nq, int decode=0) -> int[]",
+        &eva_attention_plan);
 }
 
 TORCH_LIBRARY_IMPL(flashswitch_C, CUDA, m) { m.impl("eva_attention_fwd", &eva_attention_fwd); }

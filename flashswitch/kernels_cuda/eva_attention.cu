@@ -16,7 +16,9 @@
 // the others compare positions per element. Nothing outside the intervals is read.
 // Per key block: K and V tiles are copied to shared memory with cp.async (rows past the interval
 // and columns past D are zero-filled), S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32
-// accumulators; the V copy overlaps S, the next K copy overlaps P V.
+// accumulators; the V copy overlaps S, the next K copy overlaps P V. In a masked block the staged V
+// loses its inf / NaN entries before P V, and only the rows whose p reaches one become NaN, so that a
+// non-finite input reaches only the queries that see it (eva_sanitize_v, eva_poison_rows).
 //
 // fp32: eva_attention_fwd_f32_kernel<EPL>, one warp per query row (lane l holds dims l + 32 e),
 // IEEE fp32 FMA dot products reduced with shuffles, same visibility and online softmax.
@@ -403,6 +405,70 @@ __device__ __forceinline__ void store_rows(char* g, i64 stride, i64 nvalid, cons
   }
 }
 
+// Non-finite isolation in a masked block. There p = 0 on the keys a row cannot see, and P V would
+// multiply that 0 by an inf or NaN of V into NaN; so the staged V tile (BN rows, pitch LD) gets its
+// non-finite entries zeroed, and bad[tid] records whether this thread's share of its row held one
+// (P threads per key row, HD / P columns each). The rows whose p reaches such a key are then made
+// NaN (`eva_poison_rows`), as p . inf would have. Interior blocks, which every row sees whole, skip both.
+template <int DT, int HD>
+__device__ __forceinline__ void eva_sanitize_v(unsigned short* sV, int* bad) {
+  constexpr int BN = EvaTile<HD>::BN;
+  constexpr int P = FS_EVA_THREADS / BN;
+  static_assert(FS_EVA_THREADS % BN == 0 && (HD / P) % 8 == 0, "16-byte pieces of whole rows");
+  constexpr unsigned int EXP = DT == FS_DTYPE_F16 ? 0x7C00u : 0x7F80u;  // all-ones exponent: inf or NaN
+  uint4* piece = reinterpret_cast<uint4*>(sV + (threadIdx.x / P) * EvaTile<HD>::LD + (threadIdx.x % P) * (HD / P));
+  int any = 0;
+#pragma unroll
+  for (int c = 0; c < HD / P / 8; ++c) {
+    uint4 u = piece[c];
+    unsigned int w[4] = {u.x, u.y, u.z, u.w};
+    unsigned int hit = 0u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const unsigned int keep = ((w[i] & EXP) == EXP ? 0u : 0xffffu) | ((w[i] & (EXP << 16)) == (EXP << 16) ? 0u : 0xffff0000u);
+      hit |= ~keep;
+      w[i] &= keep;
+    }
+    if (hit) {
+      piece[c] = make_uint4(w[0], w[1], w[2], w[3]);
+      any = 1;
+    }
+  }
+  bad[threadIdx.x] = any;
+}
+
+// After eva_sanitize_v (and a barrier): rows hf = 0, 1 of this thread whose weight p (s, fp32) is > 0
+// on a key flagged in `bad` get a NaN accumulator; the row's 4 owners agree through two shuffles.
+template <int HD, int NT, int DTL>
+__device__ __forceinline__ void eva_poison_rows(const float (&s)[NT][4], float (&acc)[DTL][4], const int* bad,
+                                                int cq) {
+  constexpr int P = FS_EVA_THREADS / EvaTile<HD>::BN;
+  int hit[2] = {0, 0};
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+      const int key = 8 * j + 2 * cq + e2;
+      int b = 0;
+#pragma unroll
+      for (int x = 0; x < P; ++x) b |= bad[key * P + x];
+      if (b) {
+        hit[0] |= s[j][e2] > 0.f;
+        hit[1] |= s[j][2 + e2] > 0.f;
+      }
+    }
+  }
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    hit[hf] |= __shfl_xor_sync(0xffffffffu, hit[hf], 1);
+    hit[hf] |= __shfl_xor_sync(0xffffffffu, hit[hf], 2);
+    if (hit[hf]) {
+#pragma unroll
+      for (int dt = 0; dt < DTL; ++dt) acc[dt][2 * hf] = acc[dt][2 * hf + 1] = __int_as_float(0x7fc00000);
+    }
+  }
+}
+
 // A key block of a tile's list: rows n0 .. n0 + BN - 1 of (k, v) or of (k_sum, v_sum); rows at or
 // past `limit` are not read.
 struct EvaBlock {
@@ -428,6 +494,7 @@ __global__ void __launch_bounds__(FS_EVA_THREADS) eva_attention_fwd_kernel(FS_EV
   unsigned short* sQ = reinterpret_cast<unsigned short*>(eva_smem);  // [BM][LD]
   unsigned short* sK = sQ + BM * LD;                                 // [BN][LD]
   unsigned short* sV = sK + BN * LD;                                 // [BN][LD]
+  __shared__ int s_bad[FS_EVA_THREADS];                              // eva_sanitize_v's flags
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -517,6 +584,7 @@ __global__ void __launch_bounds__(FS_EVA_THREADS) eva_attention_fwd_kernel(FS_EV
     unsigned int qf[Q_REGS ? KQ : 1][4];
 
     for (i64 e = 0; e < nb; ++e) {
+      const bool masked = blk.masked;  // blk moves on to block e + 1 before P V
       cp_async_wait_all();
       __syncthreads();  // K (and Q) landed; every warp is done with the previous V
       load_tile<HD, BN>(sV, blk.v + blk.n0 * blk.sv, blk.sv, blk.limit - blk.n0, row_bytes, vec_bytes);
@@ -608,6 +676,11 @@ __global__ void __launch_bounds__(FS_EVA_THREADS) eva_attention_fwd_kernel(FS_EV
         blk = block_at(e + 1);
         load_tile<HD, BN>(sK, blk.k + blk.n0 * blk.sk, blk.sk, blk.limit - blk.n0, row_bytes, vec_bytes);
         cp_async_commit();
+      }
+      if (masked) {  // block-uniform
+        eva_sanitize_v<DT, HD>(sV, s_bad);
+        __syncthreads();
+        eva_poison_rows<HD, NT, DTL>(s, acc, s_bad, cq);
       }
 
       // O += P V. A = P: the S accumulators of key tiles 2kk, 2kk+1 are exactly the a0..a3 layout.
@@ -711,20 +784,22 @@ cudaError_t by_head_dim(const fs_eva_attention_args& a, const fs_eva_attention_p
 }
 
 template <int DT, int EPL>
-cudaError_t launch_decode(const fs_eva_attention_args& a, long long align, float scale_log2, cudaStream_t stream) {
-  const long long rows = a.B * a.H * a.Nq;
-  const unsigned int grid = (unsigned int)(rows < 0x7fffffffLL ? rows : 0x7fffffffLL);
-  const int vec = align >= 2 * EPL && a.D % EPL == 0 ? 2 * EPL : 0;  // one access per lane and row
-  flashswitch::eva_attention_decode_kernel<DT, EPL><<<grid, FS_EVA_DEC_WARPS * 32, 0, stream>>>(
-      FS_EVA_ARGS(a, scale_log2, vec));
+cudaError_t launch_decode(const fs_eva_attention_args& a, const fs_eva_attention_plan& p, float scale_log2,
+                          cudaStream_t stream) {
+  flashswitch::eva_attention_decode_kernel<DT, EPL><<<(unsigned int)p.grid, p.threads, 0, stream>>>(
+      FS_EVA_ARGS(a, scale_log2, p.vec_bytes));
   return cudaGetLastError();
 }
 
 template <int DT>
-cudaError_t decode_by_head_dim(const fs_eva_attention_args& a, long long align, float scale_log2, cudaStream_t s) {
-  if (a.D <= 64) return launch_decode<DT, 2>(a, align, scale_log2, s);
-  if (a.D <= 128) return launch_decode<DT, 4>(a, align, scale_log2, s);
-  return launch_decode<DT, 8>(a, align, scale_log2, s);
+cudaError_t decode_by_head_dim(const fs_eva_attention_args& a, const fs_eva_attention_plan& p, float scale_log2,
+                               cudaStream_t s) {
+  switch (p.head_dim) {
+    case 64: return launch_decode<DT, 2>(a, p, scale_log2, s);
+    case 128: return launch_decode<DT, 4>(a, p, scale_log2, s);
+    case 256: return launch_decode<DT, 8>(a, p, scale_log2, s);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 template <int EPL>
@@ -737,10 +812,25 @@ cudaError_t launch_f32(const fs_eva_attention_args& a, const fs_eva_attention_pl
 }  // namespace
 
 extern "C" cudaError_t fs_eva_attention_plan_for(long long D, int dtype, long long align, long long B, long long H,
-                                                 long long Nq, fs_eva_attention_plan* plan) {
+                                                 long long Nq, int decode, fs_eva_attention_plan* plan) {
   if (plan == nullptr || D < 0 || D > FS_EVA_MAX_D || align < 1 || B < 0 || H < 0 || Nq < 0) return cudaErrorInvalidValue;
+  const bool half = dtype == FS_DTYPE_F16 || dtype == FS_DTYPE_BF16;
+  if (decode && half && Nq <= FS_EVA_DEC_MAX_Q && D > 0) {  // one block per query row
+    const int epl = D <= 64 ? 2 : D <= 128 ? 4 : 8;
+    const long long rows = B * H * Nq;
+    plan->kernel = FS_EVA_KERNEL_DECODE;
+    plan->head_dim = 32 * epl;
+    plan->block_m = 1;
+    plan->block_n = 0;
+    plan->vec_bytes = align >= 2 * epl && D % epl == 0 ? 2 * epl : 0;  // one access per lane and row
+    plan->threads = FS_EVA_DEC_WARPS * 32;
+    plan->grid = rows < 0x7fffffffLL ? rows : 0x7fffffffLL;
+    plan->smem_bytes = 0;
+    return cudaSuccess;
+  }
   long long work;
   if (dtype == FS_DTYPE_F32) {
+    plan->kernel = FS_EVA_KERNEL_F32;
     const int epl = D <= 64 ? 2 : D <= 128 ? 4 : 8;
     plan->head_dim = 32 * epl;
     plan->block_m = FS_EVA_F32_ROWS;
@@ -754,6 +844,7 @@ extern "C" cudaError_t fs_eva_attention_plan_for(long long D, int dtype, long lo
     // widest access (16, 8, 4 or 2 bytes) dividing a row and every address / stride
     long long vb = 16;
     while (vb > 2 && ((D * 2) % vb != 0 || align % vb != 0)) vb /= 2;
+    plan->kernel = FS_EVA_KERNEL_TC;
     plan->head_dim = hd;
     plan->block_m = FS_EVA_BLOCK_M;
     plan->block_n = bn;
@@ -797,13 +888,13 @@ extern "C" cudaError_t fs_eva_attention_fwd(const fs_eva_attention_args* a, cuda
   }
 
   fs_eva_attention_plan p;
-  const cudaError_t err = fs_eva_attention_plan_for(a->D, a->dtype, align, a->B, a->H, a->Nq, &p);
+  const cudaError_t err = fs_eva_attention_plan_for(a->D, a->dtype, align, a->B, a->H, a->Nq, a->decode_kernel, &p);
   if (err != cudaSuccess) return err;
   if (p.grid == 0) return cudaSuccess;
   const float scale_log2 = (float)((double)a->scale * 1.4426950408889634);
-  if (a->decode_kernel && a->Nq <= FS_EVA_DEC_MAX_Q && a->D > 0) {
-    if (a->dtype == FS_DTYPE_F16) return decode_by_head_dim<FS_DTYPE_F16>(*a, align, scale_log2, stream);
-    if (a->dtype == FS_DTYPE_BF16) return decode_by_head_dim<FS_DTYPE_BF16>(*a, align, scale_log2, stream);
+  if (p.kernel == FS_EVA_KERNEL_DECODE) {
+    if (a->dtype == FS_DTYPE_F16) return decode_by_head_dim<FS_DTYPE_F16>(*a, p, scale_log2, stream);
+    return decode_by_head_dim<FS_DTYPE_BF16>(*a, p, scale_log2, stream);
   }
   switch (a->dtype) {
     case FS_DTYPE_F16: return by_head_dim<FS_DTYPE_F16>(*a, p, scale_log2, stream);

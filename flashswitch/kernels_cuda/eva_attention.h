@@ -12,6 +12,11 @@
 #define FS_EVA_DEC_WARPS 8    // decode kernel: warps per query row (each takes a slice of its keys)
 #define FS_EVA_DEC_MAX_Q 16   // decode kernel: used for Nq up to this, when asked for (decode_kernel)
 
+// Kernel a plan launches.
+#define FS_EVA_KERNEL_TC 0      // eva_attention_fwd_kernel (fp16/bf16 tensor-core tiles)
+#define FS_EVA_KERNEL_F32 1     // eva_attention_fwd_f32_kernel
+#define FS_EVA_KERNEL_DECODE 2  // eva_attention_decode_kernel
+
 // Summary logit bias.
 #define FS_EVA_BIAS_NONE 0
 #define FS_EVA_BIAS_TENSOR 1     // fp32 [B, Hkv, Nc] tensor (any strides)
@@ -55,20 +60,22 @@ typedef struct fs_eva_attention_args {
 
 // The launch shape chosen for a problem (mirrored by flashswitch/bindings/cupy.py: `eva_plan`).
 typedef struct fs_eva_attention_plan {
-  int head_dim;    // fp16/bf16: padded head dim (template HD); fp32: 32 x elements per lane
+  int head_dim;    // fp16/bf16: padded head dim (template HD); fp32 and decode: 32 x elements per lane
   int block_m;     // query rows per block
   int block_n;     // keys per tile (fp16/bf16), 0 for fp32
   int vec_bytes;   // bytes per global access of q/k/v/o tiles (16, 8, 4 or 2), 0 for fp32
   int threads;     // threads per block
   long long grid;  // blocks (the kernels loop over the rest)
   int smem_bytes;  // dynamic shared memory
+  int kernel;      // FS_EVA_KERNEL_*
 } fs_eva_attention_plan;
 
 // Fills `plan`. dtype: FS_DTYPE_*; align: a power of two dividing every base address and every byte
-// stride of a moving dim of q, k, v, k_sum, v_sum and o. Returns cudaErrorInvalidValue for
-// D > FS_EVA_MAX_D or an unknown dtype.
+// stride of a moving dim of q, k, v, k_sum, v_sum and o; decode: the decode kernel where it applies
+// (fp16/bf16, 0 < D, Nq <= FS_EVA_DEC_MAX_Q). Returns cudaErrorInvalidValue for D > FS_EVA_MAX_D
+// or an unknown dtype.
 cudaError_t fs_eva_attention_plan_for(long long D, int dtype, long long align, long long B, long long H,
-                                      long long Nq, fs_eva_attention_plan* plan);
+                                      long long Nq, int decode, fs_eva_attention_plan* plan);
 
 // Plans (fs_eva_attention_plan_for, alignment taken from the arguments) and launches on `stream`.
 // Returns the launch error, or cudaErrorInvalidValue for unsupported arguments.

@@ -19,7 +19,9 @@ intervals reaches the output (k/v past t_max and summaries past the last visible
 anything, e.g. unused cache capacity): pointer loads mask those rows; with config TMA (tiles loaded
 by the tensor memory accelerator through descriptors) the five loops zero them in v on masked
 blocks, and the FUSE loop's descriptors end at the last key and summary any query sees, so that
-rows past them arrive as zeros.
+rows past them arrive as zeros. Masked blocks also zero the inf / NaN entries of v and make NaN only
+the rows whose p reaches one (`_isolate_nonfinite`): p = 0 on a key a row cannot see, and p·inf would
+be NaN in that row; so a non-finite input reaches only the queries that see it (SPEC.md, op 2).
 
 With NUM_SPLITS > 1 (flash-decoding) the list of key blocks of each tile is cut into NUM_SPLITS
 contiguous pieces, one per program along grid axis 2. Each writes a normalised partial output and
@@ -129,6 +131,23 @@ def _add_summary_bias(s, n, limit, bias_base, stride_bc, Nk, C, MASK: tl.constex
 
 
 @triton.jit
+def _isolate_nonfinite(v, p, acc):
+    """v with its non-finite entries zeroed, and acc NaN on the rows whose p reaches a key holding one.
+    Masked blocks only: there p = 0 on the keys a row cannot see, and p * inf = NaN in p.v would turn
+    that row into NaN; a row that sees such a value is NaN as it would be anyway. Interior blocks,
+    which every row sees whole, skip it."""
+    if v.dtype == tl.float16:  # all-ones exponent: inf or NaN (tested on the bits, in v's registers)
+        fin = (v.to(tl.int16, bitcast=True) & 0x7C00) != 0x7C00
+    elif v.dtype == tl.bfloat16:
+        fin = (v.to(tl.int16, bitcast=True) & 0x7F80) != 0x7F80
+    else:
+        fin = tl.abs(v) < float("inf")                                  # false for inf and NaN
+    bad = tl.max(tl.where(fin, 0, 1), axis=1)                           # keys with a non-finite value
+    hit = tl.max(tl.where((p > 0.0) & (bad[None, :] != 0), 1, 0), axis=1)
+    return tl.where(fin, v, 0.0), tl.where(hit[:, None] != 0, float("nan"), acc)
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
             e_lo, e_hi, origin, limit, lo_row, hi_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, row0,
             SUMMARY: tl.constexpr, MASK: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
@@ -172,6 +191,8 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, s
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
+        if MASK:
+            v, acc = _isolate_nonfinite(v, p, acc)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)       # accumulates in place
         m_i = m_new
     return acc, l_i, m_i
@@ -241,6 +262,8 @@ def _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, stride_kn,
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
+        if not full:
+            v, acc = _isolate_nonfinite(v, p, acc)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i

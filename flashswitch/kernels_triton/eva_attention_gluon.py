@@ -17,7 +17,9 @@ emit on sm_90:
 k, v and the summaries are read through [B * Hkv, rows, D] descriptors whose rows stop at the last
 key and the last summary any query sees: a block reading past them gets zeros, and the rows it reads
 below that but past its limit (keys and summaries of later queries) are masked out of the logits,
-so p = 0 there and v needs no zeroing. Fast path only: fp16/bf16, contiguous q/k/v/summaries, D a
+so p = 0 there. In a masked block each consumer warpgroup first copies v to a slot of its own with
+its inf / NaN entries zeroed and reads p.v from there, making NaN only the rows whose p reaches such
+a key (`_isolate_nonfinite`): a non-finite input reaches only the queries that see it. Fast path only: fp16/bf16, contiguous q/k/v/summaries, D a
 power of two in [16, 128], no PACK_GQA, no key splits, no tensor bias, scale >= 0 (`supports`);
 other problems take the Triton kernel.
 """
@@ -28,7 +30,8 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashswitch._common import triton_interpret
@@ -76,7 +79,27 @@ def _softmax_block(s, m_i, l_i, e, valid, nb_s, nb_s_full, e_a, e_b, st_min, c_h
         p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    return p, alpha, m_new, l_i
+    return p, alpha, m_new, l_i, full
+
+
+@gluon.jit
+def _isolate_nonfinite(v_smem, stage, fix, p, o, v_layout: gl.constexpr, col_s: gl.constexpr, row_o: gl.constexpr,
+                       BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """A masked block's p.v without 0 * inf: p = 0 on the keys a row cannot see, and p.v would turn
+    an inf / NaN of v into NaN in that row. Copies block `stage`'s v into this warpgroup's own slot
+    `fix` with its non-finite entries zeroed (the ring's stage is shared with the other warpgroup and
+    cannot be changed in place) and makes NaN the rows of o whose p reaches such a key. Returns (the
+    slot p.v reads, o)."""
+    vt = v_smem.index(stage).reshape([BLOCK_N, D]).load(v_layout)
+    bits = vt.to(gl.int16, bitcast=True)
+    exp_mask: gl.constexpr = 0x7C00 if v_smem.dtype == gl.float16 else 0x7F80   # all-ones exponent: inf / NaN
+    fin = (bits & exp_mask) != exp_mask
+    bad = gl.convert_layout(gl.max(gl.where(fin, 0, 1), axis=1), col_s)
+    hit = gl.max(gl.where((p > 0.0) & (bad[None, :] != 0), 1, 0), axis=1)
+    v_smem.index(fix).reshape([BLOCK_N, D]).store(gl.where(fin, vt, 0.0))
+    fence_async_shared()
+    o = gl.where(gl.convert_layout(hit, row_o)[:, None] != 0, float("nan"), o)
+    return stage * 0 + fix, o
 
 
 @gluon.jit
@@ -126,6 +149,9 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
     st_row = _start(t_row, C, W, SLIDING)
     sc_row = gl.minimum(st_row // C, Nc)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    tpr: gl.constexpr = D // 8 if D // 8 < 32 else 32       # 16-byte pieces, row-major (also o's store)
+    v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpr, tpr], [4, 1], [1, 0])
+    fix: gl.constexpr = NUM_STAGES + WG                      # this warpgroup's slot for a sanitized v
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)
     s_zero = gl.zeros([BM, BLOCK_N], gl.float32, layout=s_layout)
 
@@ -133,8 +159,9 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
     s = warpgroup_mma(q_smem, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False)
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BM], gl.float32, layout=row_s)
-    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, nb > 0, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
-                                        st_row, t_row, sc_row, offs_n, Nk, C, qk_scale, LOG_COUNT, BLOCK_N)
+    p, alpha, m_i, l_i, full = _softmax_block(s, m_i, l_i, 0, nb > 0, nb_s, nb_s_full, e_a, e_b, st_min, c_hi,
+                                              t_max, st_row, t_row, sc_row, offs_n, Nk, C, qk_scale, LOG_COUNT,
+                                              BLOCK_N)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
     o = gl.zeros([BM, D], gl.float32, layout=o_layout)
     for e in range(0, nb - 1):
@@ -144,18 +171,24 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
         s_acc = warpgroup_mma(q_smem, k_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
-        o_acc = warpgroup_mma(p16, v_smem.index(stage).reshape([BLOCK_N, D]), o, is_async=True)
+        slot = stage
+        if not full:
+            slot, o = _isolate_nonfinite(v_smem, stage, fix, p, o, v_layout, col_s, row_o, BLOCK_N, D)
+        o_acc = warpgroup_mma(p16, v_smem.index(slot).reshape([BLOCK_N, D]), o, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_acc])
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, e + 1, True, nb_s, nb_s_full, e_a, e_b, st_min, c_hi,
-                                            t_max, st_row, t_row, sc_row, offs_n, Nk, C, qk_scale, LOG_COUNT,
-                                            BLOCK_N)
+        p, alpha, m_i, l_i, full = _softmax_block(s, m_i, l_i, e + 1, True, nb_s, nb_s_full, e_a, e_b, st_min,
+                                                  c_hi, t_max, st_row, t_row, sc_row, offs_n, Nk, C, qk_scale,
+                                                  LOG_COUNT, BLOCK_N)
         o = warpgroup_mma_wait(0, deps=[o_acc])
         mbarrier.arrive(empty.index(stage))  # this warpgroup is done with block e's stage (count 2)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
     # the last block: p.v only
     last = gl.maximum(nb - 1, 0)
     o = o * gl.convert_layout(alpha, row_o)[:, None]
-    o_acc = warpgroup_mma(p16, v_smem.index(last % NUM_STAGES).reshape([BLOCK_N, D]), o, is_async=True)
+    slot = last % NUM_STAGES
+    if not full:
+        slot, o = _isolate_nonfinite(v_smem, slot, fix, p, o, v_layout, col_s, row_o, BLOCK_N, D)
+    o_acc = warpgroup_mma(p16, v_smem.index(slot).reshape([BLOCK_N, D]), o, is_async=True)
     o = warpgroup_mma_wait(0, deps=[o_acc])
 
     seen = l_i > 0.0
@@ -163,8 +196,7 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
     out = o / gl.convert_layout(l_safe, row_o)[:, None]
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     # through shared memory into a row-major layout, so that each thread stores 16 contiguous bytes
-    tpr: gl.constexpr = D // 8 if D // 8 < 32 else 32
-    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpr, tpr], [4, 1], [1, 0])
+    st_layout: gl.constexpr = v_layout
     out = gl.convert_layout(out.to(dtype), st_layout)
     b64 = b.to(gl.int64)
     rows_o = r_first + gl.arange(0, BM, layout=gl.SliceLayout(1, st_layout))
@@ -206,7 +238,8 @@ def _eva_fwd_gluon(
 
     q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, D], v_desc.layout)
+    # v: the ring's stages, then one slot per consumer warpgroup for a masked block's sanitized copy
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES + 2, 1, BLOCK_N, D], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())

@@ -5,7 +5,10 @@ of this op. SPEC.md, "Op 2", defines the math.
 
 Summaries: `k_sum, v_sum` may hold any number Nc >= 0 of chunks (usually ceil(Nk / C), from op 1).
 A query at position t sees summaries c in [0, start(t) / C) ∩ [0, Nc): chunks past the last stored
-summary are simply absent (a shorter list is not padded, a longer one is not an error).
+summary are simply absent (a shorter list is not padded). A longer one is the documented cache form
+(SPEC.md, "Op 2"): rows past the last summary any query sees are unused capacity, never read (they
+may hold NaN; their gradients are 0), so a preallocated summary buffer can be passed whole.
+Non-finite inputs reach only the queries that see them (SPEC.md, "Op 2").
 """
 from __future__ import annotations
 
@@ -270,7 +273,8 @@ def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torc
     window and the summaries (k_sum, v_sum) of the chunks before it.
 
     q: [B, H, Nq, D]; k, v: [B, Hkv, Nk, D] with H % Hkv == 0 (query head h reads kv head
-    h // (H // Hkv)); k_sum, v_sum: [B, Hkv, Nc, D] (any Nc; summaries past Nc are absent).
+    h // (H // Hkv)); k_sum, v_sum: [B, Hkv, Nc, D] (any Nc; summaries past Nc are absent, rows past the
+    last one any query sees are never read: unused capacity of a summary buffer may hold anything).
     window: "block" (start(t) = W floor(t / W)) or "sliding" (start(t) = C floor((t - W + 1) / C),
     0 while t < W); window_size W must be a multiple of chunk_size C. q_offset: position of q[:, :, 0]
     (default Nk - Nq), with q_offset + Nq <= Nk. summary_bias: None, "log_count" (log of each chunk's

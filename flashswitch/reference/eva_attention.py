@@ -163,9 +163,15 @@ def torch_eva_attention(q, k, v, k_sum, v_sum, *, chunk_size, window_size, windo
     qg = q.to(acc).reshape(B, Hkv, group, Nq, D)
     keys = torch.cat([k.to(acc), k_sum.to(acc)], dim=2)  # [B, Hkv, Nk + Nc, D]
     vals = torch.cat([v.to(acc), v_sum.to(acc)], dim=2)
+    # a non-finite key or value reaches only the rows that see it: the products run on finite copies
+    # (0 * inf would be NaN in rows whose weight is 0) and the rows that see one are NaN
+    bad_key = ~torch.isfinite(keys).all(-1)[:, :, None, None, :]  # [B, Hkv, 1, 1, Nk + Nc]
+    bad_val = ~torch.isfinite(vals).all(-1)[:, :, None, None, :]
+    keys = torch.where(torch.isfinite(keys), keys, 0.0)
     logits = s * torch.einsum("bhgqd,bhkd->bhgqk", qg, keys)
     zero = torch.zeros(B, Hkv, Nk, dtype=acc, device=dev)
     logits = logits + torch.cat([zero, bias], dim=2)[:, :, None, None, :]
+    logits = logits.masked_fill(bad_key, float("nan"))
     mask = torch.cat([exact, summ], dim=1)  # [Nq, Nk + Nc]
     logits = logits.masked_fill(~mask, float("-inf"))
     # rows with nothing visible (only possible when q_offset puts queries past the keys): o = 0, lse = -inf
@@ -173,7 +179,9 @@ def torch_eva_attention(q, k, v, k_sum, v_sum, *, chunk_size, window_size, windo
     safe = logits.masked_fill(empty, 0.0)
     p = torch.softmax(safe, dim=-1).masked_fill(empty, 0.0)
     lse = torch.logsumexp(safe, dim=-1).masked_fill(empty[..., 0], float("-inf"))
-    o = torch.einsum("bhgqk,bhkd->bhgqd", p, vals).reshape(B, H, Nq, Dv).to(q.dtype)
+    o = torch.einsum("bhgqk,bhkd->bhgqd", p, torch.where(torch.isfinite(vals), vals, 0.0))
+    o = o.masked_fill(((p > 0) & bad_val).any(-1, keepdim=True), float("nan"))
+    o = o.reshape(B, H, Nq, Dv).to(q.dtype)
     return (o, lse.reshape(B, H, Nq)) if return_lse else o
 
 
