@@ -180,7 +180,8 @@ def fake_rows():
     rows = []
     for method in ("sdpa", "eva-sliding"):
         for n in (4096, 32768):
-            base = dict(size="smollm2-135m", method=method, context=n, device="fake", torch="x", triton="y")
+            base = dict(size="smollm2-135m", method=method, context=n, device="fake", torch="x", triton="y",
+                        decode_kernel="flash" if method == "sdpa" else "eva")
             rows.append({**base, "kind": "prefill", "batch": 1, "batch_label": "1", "ms": 10.0 * n / 4096,
                          "tokens_per_s": 4e5, "peak_bytes": 3 << 30})
             for label, B in (("1", 1), ("16", 16), ("max", 500 if method == "sdpa" else 5000)):
@@ -211,7 +212,11 @@ def test_tables_and_plots(tmp_path):
     assert {p.name for p in written} == {"e2e_generation.md", "e2e_generation_throughput.png",
                                          "e2e_generation_memory.png"}
     md = (tmp_path / "e2e_generation.md").read_text()
-    assert "| smollm2-135m | 32768 | eva-sliding | 5000 (max) | 5.00 | 1,000,000 | 10.00x |" in md
+    assert "| smollm2-135m | 32768 | eva-sliding | eva | 5000 (max) | 5.00 | 1,000,000 | 10.00x |" in md
+    assert "masked SDPA" not in md  # the flash baseline: no warning under the table
+    masked = [{**r, "decode_kernel": "masked"} if r["method"] == "sdpa" else r for r in data["rows"]]
+    bench.render({**data, "rows": masked}, tmp_path)
+    assert "masked SDPA" in (tmp_path / "e2e_generation.md").read_text()
     assert "| smollm2-135m | 32768 | eva-sliding | 80.0 | 400,000 | 1.00x |" in md
 
 
