@@ -219,12 +219,21 @@ class EvaCache:
         return o
 
     def _step_one(self, q, k, v):
+        self._append_token(k, v)
+        # op 2 over the buffer: the decode row exactly, every other row as a "summary" under the bias
+        S, R = self.num_summaries, self.ring_size
+        return eva_attention(q, self.k, self.v, self.k[:, :, :S + R], self.v[:, :, :S + R], chunk_size=1,
+                             window_size=S + R, window="block", scale=self.scale, summary_bias=self.bias,
+                             q_offset=S + R, backend=self.backend)
+
+    def _append_token(self, k, v) -> None:
+        """The cache state of a one-token step (all but its attention)."""
         Cs, R, S = self.chunk_size, self.ring_size, self.num_summaries
         # 1. the chunk ending at t - 1 (t = lengths) has just completed when t % C == 0: summarise it
         #    from the ring (computed every step, stored only where it completed: fixed shapes)
         if self._kernels is not None:
-            chunk_k, chunk_v = self._kernels.gather_chunk(self.k, self.v, self.lengths, chunk_size=Cs,
-                                                          num_summaries=S, ring_size=R)
+            chunk_k, chunk_v, t = self._kernels.gather_chunk(self.k, self.v, self.lengths, chunk_size=Cs,
+                                                             num_summaries=S, ring_size=R)
         else:
             chunk_k, chunk_v = self._gather_chunk_torch()
         ks, vs = chunk_summaries(chunk_k, chunk_v, Cs, omega=self.omega, key_weight=self.key_weight,
@@ -232,15 +241,11 @@ class EvaCache:
         # 2. the summary into its slot, the new token into its ring row and the exact row, the bias row of
         #    the query at t, lengths += 1
         if self._kernels is not None:
-            self._kernels.append(self.k, self.v, self.bias, self.lengths, k, v, ks, vs, self.user_bias,
+            self._kernels.append(self.k, self.v, self.bias, self.lengths, t, k, v, ks, vs, self.user_bias,
                                  chunk_size=Cs, window_size=self.window_size, window=self.window,
                                  num_summaries=S, ring_size=R, on_bias=self._on_bias())
         else:
             self._append_torch(k, v, ks, vs)
-        # 3. op 2 over the buffer: the decode row exactly, every other row as a "summary" under the bias
-        return eva_attention(q, self.k, self.v, self.k[:, :, :S + R], self.v[:, :, :S + R], chunk_size=1,
-                             window_size=S + R, window="block", scale=self.scale, summary_bias=self.bias,
-                             q_offset=S + R, backend=self.backend)
 
     def _on_bias(self) -> float:
         return math.log(self.chunk_size) if self.log_count else 0.0  # every visible chunk is full
