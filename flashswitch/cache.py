@@ -14,6 +14,11 @@ and it can be captured in a CUDA graph and replayed for every token. A chunk is 
 when it completes (its C tokens are still in the ring), written to its slot, and becomes visible
 when the window start passes it; the masked bias reproduces op 2's rule for every query exactly.
 
+A one-token step is four launches plus op 1's and op 2's own: kernels_triton/eva_cache.py's
+gather_chunk (the ring rows of the chunk ending at t - 1), op 1 on them, its append (token rows, the
+summary slot where a chunk completed, the bias row, lengths += 1), op 2. CPU tensors outside the
+Triton backend take the same two stages as torch ops (about 40 small kernels).
+
 Limits. Multi-token steps run one token at a time (n single-token steps: n launches of op 1 and
 op 2). Ragged prompts are right-padded: `prefill(..., lengths=)` gives each sequence's prompt length
 (outputs at padded positions are meaningless) and every sequence then advances by the same n per
@@ -104,8 +109,8 @@ class EvaCache:
         self._rows = torch.arange(R, device=device)
         self._chunk = torch.arange(chunk_size, device=device)
         self._max_len = 0  # host-side bound on every length (known without a sync)
-        # a step's bookkeeping: two Triton launches on the GPU (and under the interpreter for the Triton
-        # backend), else torch ops
+        # a step's bookkeeping: two Triton launches on the GPU whatever the ops' backend (and under the
+        # interpreter for the Triton backend), else torch ops
         self._kernels = None
         if C.backend_available("triton", device) and (device.type == "cuda" or backend == "triton"):
             from flashswitch.kernels_triton import eva_cache
@@ -250,7 +255,7 @@ class EvaCache:
     def _on_bias(self) -> float:
         return math.log(self.chunk_size) if self.log_count else 0.0  # every visible chunk is full
 
-    # the same two stages in torch ops (CPU tensors outside the Triton backend): about 40 small kernels
+    # the same two stages in torch ops (CPU tensors outside the Triton backend)
     def _gather_chunk_torch(self):
         B, Hkv, D = self.batch_size, self.num_kv_heads, self.head_dim
         Cs, R, S = self.chunk_size, self.ring_size, self.num_summaries
