@@ -25,7 +25,7 @@ import triton.language as tl
 
 from flashswitch._common import new_output, next_pow2
 
-MASKED = tl.constexpr(-1e30)  # flashswitch.cache.MASKED, the bias of a switched-off row (a constexpr: jit code reads it)
+MASKED = tl.constexpr(-1e30)  # flashswitch.cache.MASKED (a constexpr: jit code may read no other global)
 MAX_TILE = 4096  # elements of a gathered [rows, D] tile per loop step
 BIAS_BLOCK = 1024  # bias entries per append program
 
