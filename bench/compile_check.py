@@ -5,6 +5,7 @@ registers, local memory (spills), shared memory and whether ptxas serializes its
 device time is spent. No GPU needed.
 
     python3 bench/compile_check.py --ops eva_attention [--shape 0 1] [--first 8] [--arch 90]
+    python3 bench/compile_check.py --ops eva_cache          # EvaCache's decode-step kernels
     python3 bench/compile_check.py --tuned flashswitch/autotune/configs/NVIDIA_H200.json
 
 --shape: indices into autotune/space.py TUNE_SHAPES (default all); --first: the first N configs of
@@ -203,6 +204,43 @@ def check_op(op: str, shapes, first, arch: int, dtype: str, tuned=None) -> list[
     return rows
 
 
+def check_eva_cache(arch: int, dtype: str) -> list[dict]:
+    """Compile the two launches of an EvaCache decode step (kernels_triton/eva_cache.py) as a cache of
+    the e2e generation's shape launches them: each window, with and without a summary-bias tensor."""
+    from flashswitch import EvaCache
+    from flashswitch.kernels_triton import eva_cache as kernels
+
+    B, Hkv, D, C, W, N = 16, 8, 64, 16, 64, 32768
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    rows = []
+    for index, (window, bias) in enumerate((w, b) for w in ("block", "sliding") for b in ("log_count", "tensor")):
+        row = {"op": "eva_cache", "shape": index, "config": {"window": window, "summary_bias": bias}, "kernels": []}
+        t0 = time.monotonic()
+        try:
+            user = torch.zeros(B, Hkv, -(-N // C)) if bias == "tensor" else None
+            cache = EvaCache(B, Hkv, D, chunk_size=C, window_size=W, window=window, max_seq_len=N, dtype=dt,
+                             summary_bias=user if bias == "tensor" else bias, backend="reference")
+            x = torch.zeros(B, Hkv, 1, D, dtype=dt)
+            shape = dict(chunk_size=C, num_summaries=cache.num_summaries, ring_size=cache.ring_size)
+            with _recording([kernels]) as calls:
+                kernels.gather_chunk(cache.k, cache.v, cache.lengths, **shape)
+                kernels.append(cache.k, cache.v, cache.bias, cache.lengths, cache.lengths.clone(), x, x, x, x, user,
+                               window_size=W, window=window, on_bias=0.0, **shape)
+            for fn, args, kwargs in calls:
+                k = compile_call(fn, args, kwargs, arch)
+                row["kernels"].append({"name": fn.__name__, **resource_usage(k, arch)})
+            row["ok"] = True
+        except Exception as err:  # what the device would have hit
+            lines = str(err).strip().splitlines()
+            row.update(ok=False, error=f"{type(err).__name__}: {lines[-1] if lines else ''}")
+        row["s"] = round(time.monotonic() - t0, 1)
+        res = ", ".join(f"{k['name']} {k.get('regs', '?')} regs {k.get('local', '?')} B local" for k in row["kernels"])
+        print(f"  {'ok  ' if row['ok'] else 'FAIL'} {json.dumps(row['config'])}  {res or row.get('error', '')}",
+              flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=["eva_attention"])
@@ -223,6 +261,9 @@ def main(argv=None) -> int:
     print(f"triton {triton.__version__}, torch {torch.__version__}, target sm_{args.arch}")
     rows = []
     for op in args.ops:
+        if op == "eva_cache":  # no op of its own: the cache's step bookkeeping
+            rows += check_eva_cache(args.arch, args.dtype)
+            continue
         shapes = args.shape if args.shape is not None else range(len(space.TUNE_SHAPES[op]))
         rows += check_op(op, shapes, args.first, args.arch, args.dtype, args.tuned)
     bad = [r for r in rows if not r["ok"]]

@@ -177,7 +177,9 @@ def poison_outputs() -> bool:
 
 
 def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Kernel outputs come from here, so tests can poison them and catch unwritten elements."""
+    """Kernel outputs come from here, so tests can poison them and catch unwritten elements (integer
+    outputs: the dtype's minimum)."""
     if poison_outputs():
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+        return torch.full(shape, fill, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)

@@ -14,6 +14,11 @@ and it can be captured in a CUDA graph and replayed for every token. A chunk is 
 when it completes (its C tokens are still in the ring), written to its slot, and becomes visible
 when the window start passes it; the masked bias reproduces op 2's rule for every query exactly.
 
+A one-token step is four launches plus op 1's and op 2's own: kernels_triton/eva_cache.py's
+gather_chunk (the ring rows of the chunk ending at t - 1), op 1 on them, its append (token rows, the
+summary slot where a chunk completed, the bias row, lengths += 1), op 2. CPU tensors outside the
+Triton backend take the same two stages as torch ops (about 40 small kernels).
+
 Limits. Multi-token steps run one token at a time (n single-token steps: n launches of op 1 and
 op 2). Ragged prompts are right-padded: `prefill(..., lengths=)` gives each sequence's prompt length
 (outputs at padded positions are meaningless) and every sequence then advances by the same n per
@@ -104,6 +109,12 @@ class EvaCache:
         self._rows = torch.arange(R, device=device)
         self._chunk = torch.arange(chunk_size, device=device)
         self._max_len = 0  # host-side bound on every length (known without a sync)
+        # a step's bookkeeping: two Triton launches on the GPU whatever the ops' backend (and under the
+        # interpreter for the Triton backend), else torch ops
+        self._kernels = None
+        if C.backend_available("triton", device) and (device.type == "cuda" or backend == "triton"):
+            from flashswitch.kernels_triton import eva_cache
+            self._kernels = eva_cache
 
     # ------------------------------------------------------------ state
     @property
@@ -213,44 +224,72 @@ class EvaCache:
         return o
 
     def _step_one(self, q, k, v):
+        self._append_token(k, v)
+        # op 2 over the buffer: the decode row exactly, every other row as a "summary" under the bias
+        S, R = self.num_summaries, self.ring_size
+        return eva_attention(q, self.k, self.v, self.k[:, :, :S + R], self.v[:, :, :S + R], chunk_size=1,
+                             window_size=S + R, window="block", scale=self.scale, summary_bias=self.bias,
+                             q_offset=S + R, backend=self.backend)
+
+    def _append_token(self, k, v) -> None:
+        """The cache state of a one-token step (all but its attention)."""
+        Cs, R, S = self.chunk_size, self.ring_size, self.num_summaries
+        # 1. the chunk ending at t - 1 (t = lengths) has just completed when t % C == 0: summarise it
+        #    from the ring (computed every step, stored only where it completed: fixed shapes)
+        if self._kernels is not None:
+            chunk_k, chunk_v, t = self._kernels.gather_chunk(self.k, self.v, self.lengths, chunk_size=Cs,
+                                                             num_summaries=S, ring_size=R)
+        else:
+            chunk_k, chunk_v = self._gather_chunk_torch()
+        ks, vs = chunk_summaries(chunk_k, chunk_v, Cs, omega=self.omega, key_weight=self.key_weight,
+                                 scale=self.scale, backend=self.backend)
+        # 2. the summary into its slot, the new token into its ring row and the exact row, the bias row of
+        #    the query at t, lengths += 1
+        if self._kernels is not None:
+            self._kernels.append(self.k, self.v, self.bias, self.lengths, t, k, v, ks, vs, self.user_bias,
+                                 chunk_size=Cs, window_size=self.window_size, window=self.window,
+                                 num_summaries=S, ring_size=R, on_bias=self._on_bias())
+        else:
+            self._append_torch(k, v, ks, vs)
+
+    def _on_bias(self) -> float:
+        return math.log(self.chunk_size) if self.log_count else 0.0  # every visible chunk is full
+
+    # the same two stages in torch ops (CPU tensors outside the Triton backend)
+    def _gather_chunk_torch(self):
+        B, Hkv, D = self.batch_size, self.num_kv_heads, self.head_dim
+        Cs, R, S = self.chunk_size, self.ring_size, self.num_summaries
+        c_done = torch.div(self.lengths, Cs, rounding_mode="floor") - 1
+        rows = S + torch.remainder(c_done[:, None] * Cs + self._chunk[None, :], R)                # [B, C]
+        idx = rows[:, None, :, None].expand(B, Hkv, Cs, D)
+        return torch.gather(self.k, 2, idx), torch.gather(self.v, 2, idx)
+
+    def _append_torch(self, k, v, ks, vs):
         B, Hkv, D = self.batch_size, self.num_kv_heads, self.head_dim
         Cs, W, R, S = self.chunk_size, self.window_size, self.ring_size, self.num_summaries
         t = self.lengths  # position of the new token, per sequence
-        # 1. the chunk ending at t - 1 has just completed when t % C == 0: summarise it from the ring
         done = (torch.remainder(t, Cs) == 0) & (t >= Cs)
         c_done = torch.div(t, Cs, rounding_mode="floor") - 1
-        rows = S + torch.remainder(c_done[:, None] * Cs + self._chunk[None, :], R)                # [B, C]
-        idx = rows[:, None, :, None].expand(B, Hkv, Cs, D)
-        ks, vs = chunk_summaries(torch.gather(self.k, 2, idx), torch.gather(self.v, 2, idx), Cs, omega=self.omega,
-                                 key_weight=self.key_weight, scale=self.scale, backend=self.backend)
         # row writes are gather/scatter along the row dim (per-sequence rows, capturable)
         slot = c_done.clamp(min=0)[:, None, None, None].expand(B, Hkv, 1, D)
         keep = ~done[:, None, None, None]
         self.k.scatter_(2, slot, torch.where(keep, torch.gather(self.k, 2, slot), ks))
         self.v.scatter_(2, slot, torch.where(keep, torch.gather(self.v, 2, slot), vs))
-        # 2. the new token: into its ring row and the exact row
         ring_row = (S + torch.remainder(t, R))[:, None, None, None].expand(B, Hkv, 1, D)
         self.k.scatter_(2, ring_row, k)
         self.v.scatter_(2, ring_row, v)
         self.k[:, :, S + R:] = k
         self.v[:, :, S + R:] = v
-        # 3. which slots the query at t sees (SPEC op 2): summaries c < start(t) / C, ring positions
-        #    [start(t), t) (t itself is the exact row)
+        # which slots the query at t sees (SPEC op 2): summaries c < start(t) / C, ring positions
+        # [start(t), t) (t itself is the exact row)
         start = window_start(t, Cs, W, self.window)
         sum_on = self._slots[None, :] < torch.div(start, Cs, rounding_mode="floor")[:, None]        # [B, S]
         pos = t[:, None] - torch.remainder(t[:, None] - self._rows[None, :], R)                     # [B, R]
         ring_on = (pos >= start[:, None]) & (pos < t[:, None])
-        if self.user_bias is not None:
-            on_bias = self.user_bias.to(torch.float32)
-        else:
-            on_bias = math.log(Cs) if self.log_count else 0.0  # every visible chunk is full
+        on_bias = self.user_bias.to(torch.float32) if self.user_bias is not None else self._on_bias()
         self.bias[:, :, :S] = torch.where(sum_on[:, None, :], on_bias, MASKED)
         self.bias[:, :, S:] = torch.where(ring_on[:, None, :], 0.0, MASKED)
-        o = eva_attention(q, self.k, self.v, self.k[:, :, :S + R], self.v[:, :, :S + R], chunk_size=1,
-                          window_size=S + R, window="block", scale=self.scale, summary_bias=self.bias,
-                          q_offset=S + R, backend=self.backend)
         self.lengths += 1
-        return o
 
 
 __all__ = ["EvaCache", "window_start"]

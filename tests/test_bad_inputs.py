@@ -188,6 +188,7 @@ def test_poison_variable_reads_off_words(monkeypatch, value, on):
     assert poison_outputs() == on
     if on:
         assert torch.isnan(new_output((3,), torch.float32, torch.device("cpu"))).all()
+        assert (new_output((3,), torch.int64, torch.device("cpu")) == torch.iinfo(torch.int64).min).all()
 
 
 # ---------------------------------------------------------------- hand-built routes (op 3)

@@ -69,3 +69,13 @@ def test_sass_comparison_tells_a_code_change_apart(tmp_path):
     before.write_text(json.dumps(first[:1]))  # and config 1 were new
     proc, _ = _compile_check(tmp_path, *args, "--compare", str(before))
     assert proc.returncode == 1 and "2 of 2 configs changed" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_eva_cache_step_kernels_compile_for_sm90(tmp_path):
+    """The two launches of an EvaCache decode step, each window, with and without a bias tensor."""
+    proc, rows = _compile_check(tmp_path, "--ops", "eva_cache")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(rows) == 4 and all(r["ok"] for r in rows)
+    for r in rows:
+        assert {k["name"] for k in r["kernels"]} == {"_gather_chunk_kernel", "_append_kernel"}
+        assert all(k["regs"] <= 128 and k["local"] == 0 for k in r["kernels"]), r

@@ -1,0 +1,169 @@
+"""The bookkeeping of one EvaCache decode step in two Triton launches (the design: flashswitch/cache.py).
+
+Both read each sequence's position t = lengths[b] on the device, so their launch arguments never
+change from token to token (CUDA-graph capturable, no host sync):
+
+  gather_chunk  the C ring rows of the chunk ending at t - 1 (rows S + p % R), as op 1's input
+                [B, Hkv, C, D] (before any chunk completed: chunk 0's rows, whose summary append()
+                then leaves unwritten), and a copy of t;
+  append        per (sequence, kv head, block of bias entries): the new token into its ring row
+                S + t % R and the decode row S + R; the completed chunk's summary into slot t / C - 1
+                only where t % C == 0 and t >= C; the fp32 bias row of the query at t (SPEC op 2:
+                summary slot c on for c < start(t) / C, ring row of position p on for
+                start(t) <= p < t, otherwise MASKED); and lengths[b] = t + 1.
+
+append's programs read t from gather_chunk's copy, not from lengths, so the one program that writes
+lengths[b] races no reader and the increment needs no launch of its own.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from flashswitch._common import new_output, next_pow2
+
+MASKED = tl.constexpr(-1e30)  # flashswitch.cache.MASKED (a constexpr: jit code may read no other global)
+MAX_TILE = 4096  # elements of a gathered [rows, D] tile per loop step
+BIAS_BLOCK = 1024  # bias entries per append program
+
+
+@triton.jit
+def _gather_chunk_kernel(k_ptr, v_ptr, len_ptr, ck_ptr, cv_ptr, t_ptr,
+                         Hkv, S, R, D,
+                         s_b, s_h, s_n, cs_b, cs_h, cs_n,
+                         CHUNK: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // Hkv
+    h = pid - b * Hkv
+    t = tl.load(len_ptr + b).to(tl.int64)
+    if h == 0:
+        tl.store(t_ptr + b, t)  # append() reads t here, so it may write lengths while others read t
+    # ring row of the completed chunk's first position (chunk 0 before any completed)
+    first = (tl.maximum(t // CHUNK - 1, 0) * CHUNK % R).to(tl.int32)
+    d = tl.arange(0, BLOCK_D)
+    src = b * s_b + h * s_h
+    dst = b * cs_b + h * cs_h
+    for j0 in range(0, CHUNK, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        row = first + j
+        row = S + tl.where(row >= R, row - R, row)  # j < C <= R: at most one wrap
+        mask = (j < CHUNK)[:, None] & (d < D)[None, :]
+        s_off = src + row[:, None].to(tl.int64) * s_n + d[None, :]
+        d_off = dst + j[:, None].to(tl.int64) * cs_n + d[None, :]
+        tl.store(ck_ptr + d_off, tl.load(k_ptr + s_off, mask=mask), mask=mask)
+        tl.store(cv_ptr + d_off, tl.load(v_ptr + s_off, mask=mask), mask=mask)
+
+
+@triton.jit
+def _append_kernel(k_ptr, v_ptr, bias_ptr, len_ptr, t_ptr, kn_ptr, vn_ptr, ks_ptr, vs_ptr, ub_ptr,
+                   Hkv, S, R, D, W, on_bias,
+                   s_b, s_h, s_n, bs_b, bs_h,
+                   kn_b, kn_h, vn_b, vn_h, ks_b, ks_h, vs_b, vs_h, ub_b, ub_h, ub_n,
+                   CHUNK: tl.constexpr, SLIDING: tl.constexpr, USER_BIAS: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    b = pid // Hkv
+    h = pid - b * Hkv
+    t = tl.load(t_ptr + b)
+    # start(t) of SPEC op 2 (t >= 0, so truncating division is floor division where it is used)
+    if SLIDING:
+        start = tl.where(t >= W, CHUNK * ((t - W + 1) // CHUNK), 0)
+    else:
+        start = W * (t // W)
+    t_ring = t % R
+    if blk == 0:  # the rows: the new token, and the completed chunk's summary
+        done = (t % CHUNK == 0) & (t >= CHUNK)  # chunk t / C - 1 has just completed
+        slot = tl.maximum(t // CHUNK - 1, 0)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        sum_ok = d_ok & done
+        row0 = b * s_b + h * s_h + d
+        kn = tl.load(kn_ptr + b * kn_b + h * kn_h + d, mask=d_ok)
+        vn = tl.load(vn_ptr + b * vn_b + h * vn_h + d, mask=d_ok)
+        tl.store(k_ptr + row0 + (S + t_ring) * s_n, kn, mask=d_ok)
+        tl.store(v_ptr + row0 + (S + t_ring) * s_n, vn, mask=d_ok)
+        tl.store(k_ptr + row0 + (S + R) * s_n, kn, mask=d_ok)
+        tl.store(v_ptr + row0 + (S + R) * s_n, vn, mask=d_ok)
+        ks = tl.load(ks_ptr + b * ks_b + h * ks_h + d, mask=sum_ok)
+        vs = tl.load(vs_ptr + b * vs_b + h * vs_h + d, mask=sum_ok)
+        tl.store(k_ptr + row0 + slot * s_n, ks, mask=sum_ok)
+        tl.store(v_ptr + row0 + slot * s_n, vs, mask=sum_ok)
+        if h == 0:
+            tl.store(len_ptr + b, t + 1)
+    # the bias block: summary slot c on for c < start / C; ring row r holds position
+    # t - ((t - r) mod R) = (t - t_ring) + r - (R if r > t_ring), on for start <= it < t. Offsets
+    # from t - t_ring stay within int32 (|start - (t - t_ring)| < R + C).
+    n_sum = (start // CHUNK).to(tl.int32)
+    t_ring32 = t_ring.to(tl.int32)
+    lo = (start - (t - t_ring)).to(tl.int32)
+    j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    sum_on = j < n_sum
+    if USER_BIAS:
+        on = tl.load(ub_ptr + b * ub_b + h * ub_h + j.to(tl.int64) * ub_n, mask=sum_on, other=0.0).to(tl.float32)
+    else:
+        on = on_bias
+    r = j - S
+    rel = r - tl.where(r > t_ring32, R, 0)
+    ring_on = (rel >= lo) & (rel < t_ring32)
+    val = tl.where(j < S, tl.where(sum_on, on, MASKED), tl.where(ring_on, 0.0, MASKED))
+    tl.store(bias_ptr + b * bs_b + h * bs_h + j, val, mask=j < S + R)
+
+
+def _check_cache(k, v, bias, lengths):
+    if v.stride() != k.stride() or k.stride(-1) != 1 or bias.stride(-1) != 1 or lengths.stride(0) != 1:
+        raise ValueError("the cache buffers must share strides with unit last strides")
+
+
+def gather_chunk(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *, chunk_size: int,
+                 num_summaries: int, ring_size: int):
+    """(chunk_k, chunk_v, t): the ring rows [B, Hkv, C, D] of the chunk ending at lengths - 1 in the cache
+    buffers k, v [B, Hkv, S + R + 1, D], and a copy t of lengths (int64 [B]) for append()."""
+    B, Hkv, _, D = k.shape
+    Cs = int(chunk_size)
+    ck = new_output((B, Hkv, Cs, D), k.dtype, k.device)
+    cv = new_output((B, Hkv, Cs, D), v.dtype, v.device)
+    t = new_output((B,), torch.int64, k.device)
+    if B * Hkv == 0:
+        return ck, cv, t
+    BLOCK_D = next_pow2(D)
+    BLOCK_J = min(next_pow2(Cs), max(1, MAX_TILE // BLOCK_D))
+    _gather_chunk_kernel[(B * Hkv,)](
+        k, v, lengths, ck, cv, t, Hkv, num_summaries, ring_size, D,
+        k.stride(0), k.stride(1), k.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
+        CHUNK=Cs, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D, num_warps=4 if BLOCK_J * BLOCK_D >= 1024 else 1)
+    return ck, cv, t
+
+
+def append(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, lengths: torch.Tensor, t: torch.Tensor,
+           k_new: torch.Tensor, v_new: torch.Tensor, k_sum: torch.Tensor, v_sum: torch.Tensor,
+           user_bias: Optional[torch.Tensor], *, chunk_size: int, window_size: int, window: str,
+           num_summaries: int, ring_size: int, on_bias: float) -> None:
+    """One token per sequence into the cache buffers k, v [B, Hkv, S + R + 1, D], bias fp32 [B, Hkv, S + R]
+    and lengths int64 [B] (in place; see the module docstring) at the positions t (gather_chunk's copy
+    of lengths). k_new, v_new: [B, Hkv, 1, D]; k_sum, v_sum: [B, Hkv, 1, D], op 1 over gather_chunk's
+    rows; user_bias: None (every visible summary gets `on_bias`) or [B, Hkv, S] (any float dtype and
+    strides)."""
+    _check_cache(k, v, bias, lengths)
+    B, Hkv, _, D = k.shape
+    S, R = int(num_summaries), int(ring_size)
+    if B * Hkv == 0:
+        return
+    ub = bias if user_bias is None else user_bias
+    sub = (0, 0, 0) if user_bias is None else user_bias.stride()
+    BLOCK_D = next_pow2(D)
+    BLOCK_N = min(next_pow2(S + R), BIAS_BLOCK)
+    _append_kernel[(B * Hkv, triton.cdiv(S + R, BLOCK_N))](
+        k, v, bias, lengths, t, k_new, v_new, k_sum, v_sum, ub,
+        Hkv, S, R, D, int(window_size), float(on_bias),
+        k.stride(0), k.stride(1), k.stride(2), bias.stride(0), bias.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_sum.stride(0), k_sum.stride(1), v_sum.stride(0), v_sum.stride(1), *sub,
+        CHUNK=int(chunk_size), SLIDING=window == "sliding", USER_BIAS=user_bias is not None,
+        BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=4)
+
+
+__all__ = ["gather_chunk", "append"]
