@@ -277,6 +277,9 @@ def _nothing(*tensors) -> None:
     """The enqueue of a problem with nothing to compute."""
 
 
+_nothing.calls = ()
+
+
 def prepare(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, scale, config, fast=False):
     """The launch `launch` makes for these arguments, prepared from their metadata only (shapes, strides,
     dtypes; the outputs may be meta tensors): an enqueue taking the tensors of a call with the same
@@ -333,6 +336,7 @@ def prepare(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, sc
         call(k, v, omega if has_omega else k, key_weight if has_kw else k,
              (valid.view(torch.uint8) if valid_bool else valid) if has_valid else k, k_sum, v_sum, lse)
 
+    enqueue.calls = (call,)  # what it launches (tests)
     return enqueue
 
 

@@ -574,6 +574,9 @@ def _nothing(*tensors) -> None:
     """The enqueue of a problem with nothing to compute."""
 
 
+_nothing.calls = ()
+
+
 def prepare(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sliding, scale, q_offset, log_count,
             config, geometry=None, fast=False):
     """The launches `launch` makes for these arguments, prepared from their metadata only (shapes,
@@ -610,6 +613,7 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sli
                 return
             for sl, part in parts:
                 part(q[sl], k[sl], v[sl], k_sum[sl], v_sum[sl], None if bias is None else bias[sl], o[sl], lse[sl])
+        enqueue_slices.calls = tuple(c for _, part in parts for c in part.calls)  # what it launches (tests)
         return enqueue_slices
 
     C, W = int(chunk_size), int(window_size)
@@ -684,6 +688,7 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sli
         if combine is not None:
             combine(o_dst, l_dst, o, lse)
 
+    enqueue.calls = tuple(c for c in (fwd, fwd_tma, combine) if c is not None)  # what it launches (tests)
     if not (config and config.get("GLUON")):
         return enqueue
 
@@ -695,6 +700,7 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sli
                        q_offset=q_offset, log_count=log_count, config=config)
         else:
             enqueue(q, k, v, k_sum, v_sum, bias, o, lse)
+    enqueue_gluon.calls = enqueue.calls
     return enqueue_gluon
 
 

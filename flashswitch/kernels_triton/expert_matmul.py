@@ -285,6 +285,9 @@ def _zero_output(x3, weight, gates, route, y) -> None:
     y.zero_()
 
 
+_nothing.calls = _zero_output.calls = ()
+
+
 def prepare(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config, fast=False):
     """The launches `launch` makes for these arguments, prepared from their metadata only (shapes,
     strides, dtypes, the route's sizes; y may be a meta tensor): an enqueue taking the tensors of a
@@ -358,6 +361,7 @@ def prepare(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config, 
         elif atomic and not into_y:
             y.copy_(target)
 
+    enqueue.calls = (call,) if group_sum is None else (call, group_sum)  # what it launches (tests)
     return enqueue
 
 
