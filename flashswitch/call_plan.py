@@ -26,8 +26,10 @@ import torch
 from flashswitch import _common as C
 from flashswitch.autotune import schema, space, store
 
-# Settings the call path reads: backend choice, config folder, output poisoning, the Triton interpreter
-ENV_VARS = ("FLASHSWITCH_BACKEND", "FLASHSWITCH_CONFIG_DIR", "FLASHSWITCH_POISON", "TRITON_INTERPRET")
+# Settings the call path reads: backend choice, config folder, output poisoning, direct Triton launches
+# (kernels_triton/kernel_call.py), the Triton interpreter
+ENV_VARS = ("FLASHSWITCH_BACKEND", "FLASHSWITCH_CONFIG_DIR", "FLASHSWITCH_POISON", "FLASHSWITCH_FAST_LAUNCH",
+            "TRITON_INTERPRET")
 STORE_RECHECK_S = 1.0  # how often the config file's modification time is looked at (as store.lookup does)
 _ALL: list["PlanCache"] = []
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from flashswitch._common import next_pow2
+from flashswitch.kernels_triton.kernel_call import KernelCall
 
 LOG2E = 1.4426950408889634
 MAX_BLOCK_J = 64
@@ -272,18 +273,22 @@ def _valid_arg(valid, k) -> tuple:
     return vl, vl.stride()
 
 
-def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, scale, config):
-    """Fill k_sum, v_sum ([B, Hkv, Nc, D], k's dtype) and lse (fp32 [B, Hkv, Nc]).
+def _nothing(*tensors) -> None:
+    """The enqueue of a problem with nothing to compute."""
 
-    k, v: [B, Hkv, N, D] with a unit last stride. omega: None or a [B, Hkv, Nc, D] view (stride 0 is
-    fine). key_weight: None or [Hkv, D]. valid: None or bool [B, N] (any strides). config (complete,
-    from call_plan.config or complete_config): BLOCK_CHUNKS, num_warps, num_stages, optional BLOCK_J.
-    """
+
+_nothing.calls = ()
+
+
+def prepare(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, scale, config, fast=False):
+    """The launch `launch` makes for these arguments, prepared from their metadata only (shapes, strides,
+    dtypes; the outputs may be meta tensors): an enqueue taking the tensors of a call with the same
+    metadata, (k, v, omega, key_weight, valid, k_sum, v_sum, lse). fast: direct launches (kernel_call)."""
     B, H, N, D = k.shape
     C = min(int(chunk_size), max(N, 1))  # a chunk longer than N holds tokens [0, N): loop over those only
     Nc = k_sum.shape[2]
     if B * H * Nc == 0 or D == 0:
-        return
+        return _nothing
     BLOCK_J, BLOCK_D = block_sizes(C, D, config)
     BLOCK_CHUNKS = int(config["BLOCK_CHUNKS"])
     if BLOCK_CHUNKS < 1 or BLOCK_CHUNKS & (BLOCK_CHUNKS - 1):
@@ -295,11 +300,10 @@ def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, sca
     has_omega = omega is not None
     has_kw = key_weight is not None
     has_valid = valid is not None
-    om = omega if has_omega else k
+    valid_bool = has_valid and valid.dtype == torch.bool
     so = omega.stride()[:3] if has_omega else (0, 0, 0)
-    kw = key_weight if has_kw else k
     skw = key_weight.stride(0) if has_kw else 0
-    vl, sval = _valid_arg(valid, k)
+    sval = valid.stride() if has_valid else (0, 0)
 
     sk, sv, sks, svs = (_row_strides(t) for t in (k, v, k_sum, v_sum))
     # offsets inside one (b, h) (tokens, chunks, d, also on padded lanes) fit in int32?
@@ -307,19 +311,41 @@ def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, sca
     tokens_pad = chunks_pad * C + BLOCK_J
     reach = max(tokens_pad * max(sk[2], sv[2], sval[1]),
                 chunks_pad * max(so[2], sks[2], svs[2], lse.stride(2))) + BLOCK_D
-    offs_64 = FORCE_OFFS_64 or reach >= 2 ** 31 or N >= 2 ** 31
+    forced_64 = FORCE_OFFS_64
+    offs_64 = forced_64 or reach >= 2 ** 31 or N >= 2 ** 31
 
-    grid = (n_blocks * B * H,)
-    _chunk_summaries_fwd[grid](
-        k, v, om, kw, vl, k_sum, v_sum, lse,
-        H, N, Nc, C, n_blocks,
-        *sk, *sv, so[0], so[1], so[2], skw, sval[0], sval[1], *sks, *svs,
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        float(scale) * LOG2E,
-        HAS_OMEGA=has_omega, HAS_KEY_WEIGHT=has_kw, HAS_VALID=has_valid,
-        ONE_PIECE=C <= BLOCK_J, EVEN_D=D == BLOCK_D,
-        VEC=_vec(sk + sv, D, k.element_size()), VEC_OUT=_vec(sks + svs, D, k_sum.element_size()),
-        OFFS_64=offs_64, D=D,
-        BLOCK_CHUNKS=BLOCK_CHUNKS, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D,
-        num_warps=num_warps, num_stages=int(config["num_stages"]),
-    )
+    call = KernelCall(
+        _chunk_summaries_fwd, (n_blocks * B * H,), 8,
+        (H, N, Nc, C, n_blocks,
+         *sk, *sv, so[0], so[1], so[2], skw, sval[0], sval[1], *sks, *svs,
+         lse.stride(0), lse.stride(1), lse.stride(2),
+         float(scale) * LOG2E),
+        dict(HAS_OMEGA=has_omega, HAS_KEY_WEIGHT=has_kw, HAS_VALID=has_valid,
+             ONE_PIECE=C <= BLOCK_J, EVEN_D=D == BLOCK_D,
+             VEC=_vec(sk + sv, D, k.element_size()), VEC_OUT=_vec(sks + svs, D, k_sum.element_size()),
+             OFFS_64=offs_64, D=D,
+             BLOCK_CHUNKS=BLOCK_CHUNKS, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D),
+        dict(num_warps=num_warps, num_stages=int(config["num_stages"])), fast=fast)
+
+    def enqueue(k, v, omega, key_weight, valid, k_sum, v_sum, lse):
+        if FORCE_OFFS_64 != forced_64:  # a test switched the 64-bit path since: prepare again
+            launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, chunk_size=chunk_size, scale=scale,
+                   config=config)
+            return
+        # absent inputs are stood in for by k (never read); the padding mask is read as bytes
+        call(k, v, omega if has_omega else k, key_weight if has_kw else k,
+             (valid.view(torch.uint8) if valid_bool else valid) if has_valid else k, k_sum, v_sum, lse)
+
+    enqueue.calls = (call,)  # what it launches (tests)
+    return enqueue
+
+
+def launch(k, v, omega, key_weight, valid, k_sum, v_sum, lse, *, chunk_size, scale, config):
+    """Fill k_sum, v_sum ([B, Hkv, Nc, D], k's dtype) and lse (fp32 [B, Hkv, Nc]).
+
+    k, v: [B, Hkv, N, D] with a unit last stride. omega: None or a [B, Hkv, Nc, D] view (stride 0 is
+    fine). key_weight: None or [Hkv, D]. valid: None or bool [B, N] (any strides). config (complete,
+    from call_plan.config or complete_config): BLOCK_CHUNKS, num_warps, num_stages, optional BLOCK_J.
+    """
+    prepare(k, v, omega, key_weight, valid, k_sum, v_sum, lse, chunk_size=chunk_size, scale=scale,
+            config=config)(k, v, omega, key_weight, valid, k_sum, v_sum, lse)

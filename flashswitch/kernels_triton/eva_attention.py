@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from flashswitch._common import new_output, next_pow2
+from flashswitch.kernels_triton.kernel_call import KernelCall
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -569,6 +570,140 @@ def _qk_scale(scale: float) -> float:
     return abs(float(scale)) * LOG2E or 1e-30
 
 
+def _nothing(*tensors) -> None:
+    """The enqueue of a problem with nothing to compute."""
+
+
+_nothing.calls = ()
+
+
+def prepare(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sliding, scale, q_offset, log_count,
+            config, geometry=None, fast=False):
+    """The launches `launch` makes for these arguments, prepared from their metadata only (shapes,
+    strides, dtypes; o and lse may be meta tensors): an enqueue taking the tensors of a call with the
+    same metadata, (q, k, v, k_sum, v_sum, bias, o, lse). What depends on the tensors' addresses (TMA
+    descriptors, the Gluon kernel's alignment check) is decided per call. fast: direct launches."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
+    if B * H * Nq == 0:
+        return _nothing
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"q has head dim {D}; the triton backend supports D <= {MAX_HEAD_DIM}")
+    kwargs = dict(chunk_size=chunk_size, window_size=window_size, sliding=sliding, scale=scale, q_offset=q_offset,
+                  log_count=log_count, config=config)
+    limit = MAX_GRID_Y
+
+    def relaunch(q, k, v, k_sum, v_sum, bias, o, lse) -> bool:
+        """A test moved the grid limit since: launch in full."""
+        if MAX_GRID_Y == limit:
+            return False
+        launch(q, k, v, k_sum, v_sum, bias, o, lse, **kwargs)
+        return True
+
+    if B * H > limit:  # grid axis 1 holds (batch, head): launch slices of the batch (large decode batches)
+        if H > limit:
+            raise ValueError(f"q has {H} heads; the triton backend takes at most {limit}")
+        step = limit // H
+        slices = [slice(b0, b0 + step) for b0 in range(0, B, step)]
+        parts = [(sl, prepare(q[sl], k[sl], v[sl], k_sum[sl], v_sum[sl], None if bias is None else bias[sl], o[sl],
+                              lse[sl], **kwargs, fast=fast)) for sl in slices]
+
+        def enqueue_slices(q, k, v, k_sum, v_sum, bias, o, lse):
+            if relaunch(q, k, v, k_sum, v_sum, bias, o, lse):
+                return
+            for sl, part in parts:
+                part(q[sl], k[sl], v[sl], k_sum[sl], v_sum[sl], None if bias is None else bias[sl], o[sl], lse[sl])
+        enqueue_slices.calls = tuple(c for _, part in parts for c in part.calls)  # what it launches (tests)
+        return enqueue_slices
+
+    C, W = int(chunk_size), int(window_size)
+    q_offset = int(q_offset)
+    G = H // Hkv
+    geo = geometry or plan(q, k, k_sum, chunk_size=C, window_size=W, sliding=sliding, q_offset=q_offset,
+                           config=config)
+    splits = geo["NUM_SPLITS"]
+    if bias is not None:
+        bias_mode, sb = BIAS_TENSOR, bias.stride()
+    else:
+        bias_mode, sb = (BIAS_LOG_COUNT if log_count else BIAS_NONE), (0, 0, 0)
+    part_o_shape, part_l_shape = (splits, B, H, Nq, D), (splits, B, H, Nq)
+    if splits > 1:  # partial outputs in fp32 scratch, merged by _eva_combine
+        so = torch.empty(part_o_shape, dtype=torch.float32, device="meta").stride()
+        sl = torch.empty(part_l_shape, dtype=torch.float32, device="meta").stride()
+    else:
+        so = (0,) + o.stride()[:3]
+        sl = (0,) + lse.stride()
+
+    t_last = q_offset + Nq - 1  # the last query: it sees the most keys and summaries
+    n_keys, n_sums = t_last + 1, min(_window_start(t_last, C, W, sliding) // C, Nc)
+    grid = (geo["n_row_blocks"], B * (Hkv if geo["PACK_GQA"] else H), splits)
+    scalars = (H, Hkv, G, Nq, Nk, Nc, D, C, W, q_offset, geo["rows"], geo["n_row_blocks"], splits,
+               q.stride(0), q.stride(1), q.stride(2),
+               k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2),
+               k_sum.stride(0), k_sum.stride(1), k_sum.stride(2),
+               v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
+               sb[0], sb[1], sb[2],
+               so[0], so[1], so[2], so[3],
+               sl[0], sl[1], sl[2], sl[3],
+               _qk_scale(scale), -1.0 if float(scale) < 0 else 1.0)
+    options = dict(num_warps=geo["num_warps"], num_stages=geo["num_stages"], **geo["launch"])
+
+    def fwd_call(tma: bool) -> KernelCall:
+        return KernelCall(_eva_fwd, grid, 8, scalars, dict(
+            SLIDING=bool(sliding), PACK_GQA=geo["PACK_GQA"], BIAS_MODE=bias_mode, EVEN_D=D == geo["BLOCK_D"],
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NEG_Q=float(scale) < 0, Q_REG=geo["Q_REG"],
+            FUSE=geo["FUSE"], TMA=tma, BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"], BLOCK_D=geo["BLOCK_D"]),
+            options, fast=fast)
+
+    fwd = fwd_call(False)
+    tma = geo["TMA"]  # descriptors where this call's tensors take them (_tma_operands), else pointers
+    fwd_tma = fwd_call(True) if tma else None
+    combine = None
+    if splits > 1:
+        R = B * H * Nq
+        block_d = geo["BLOCK_D"]
+        block_r = max(1, min(64, 4096 // block_d))
+        combine = KernelCall(_eva_combine, (triton.cdiv(R, block_r),), 4,
+                             (R, H, Nq, D, splits, so[0], sl[0],
+                              o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2)),
+                             dict(BLOCK_R=block_r, BLOCK_D=block_d), dict(num_warps=4), fast=fast)
+    device = q.device
+
+    def enqueue(q, k, v, k_sum, v_sum, bias, o, lse):
+        if relaunch(q, k, v, k_sum, v_sum, bias, o, lse):
+            return
+        if bias is None:
+            bias = q  # stands in, never read
+        if combine is not None:
+            o_dst = new_output(part_o_shape, torch.float32, device)  # every element is written
+            l_dst = new_output(part_l_shape, torch.float32, device)
+        else:
+            o_dst, l_dst = o, lse
+        descs = _tma_operands(geo, q, k, v, k_sum, v_sum, n_keys, n_sums) if tma else None
+        if descs is None:
+            fwd(q, k, v, k_sum, v_sum, bias, o_dst, l_dst)
+        else:
+            fwd_tma(q, *descs, bias, o_dst, l_dst)
+        if combine is not None:
+            combine(o_dst, l_dst, o, lse)
+
+    enqueue.calls = tuple(c for c in (fwd, fwd_tma, combine) if c is not None)  # what it launches (tests)
+    if not (config and config.get("GLUON")):
+        return enqueue
+
+    def enqueue_gluon(q, k, v, k_sum, v_sum, bias, o, lse):
+        """The warp-specialized Hopper kernel where it takes this call (its checks read addresses)."""
+        from flashswitch.kernels_triton import eva_attention_gluon as glu
+        if glu.supports(q, k, v, k_sum, v_sum, bias, scale, config):
+            glu.launch(q, k, v, k_sum, v_sum, o, lse, chunk_size=C, window_size=W, sliding=sliding, scale=scale,
+                       q_offset=q_offset, log_count=log_count, config=config)
+        else:
+            enqueue(q, k, v, k_sum, v_sum, bias, o, lse)
+    enqueue_gluon.calls = enqueue.calls
+    return enqueue_gluon
+
+
 def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sliding, scale, q_offset,
            log_count, config, geometry=None):
     """Fill o ([B, H, Nq, D], q's dtype) and lse (fp32 [B, H, Nq], natural log).
@@ -583,81 +718,8 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, slid
     ignored), QREG (q held in registers for q.k: RS instead of SS wgmma on Hopper; default off),
     maxnreg (a register cap per thread; default none) and GLUON (the warp-specialized Hopper kernel
     of eva_attention_gluon.py, for the problems its `supports` takes; the others run this one).
-    geometry: what `plan` returns for these arguments, where the caller keeps it (ops/eva_attention.py).
+    geometry: what `plan` returns for these arguments, where the caller keeps it.
     """
-    B, H, Nq, D = q.shape
-    Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
-    if B * H * Nq == 0:
-        return
-    if D > MAX_HEAD_DIM:
-        raise ValueError(f"q has head dim {D}; the triton backend supports D <= {MAX_HEAD_DIM}")
-    if B * H > MAX_GRID_Y:  # grid axis 1 holds (batch, head): launch slices of the batch (large decode batches)
-        if H > MAX_GRID_Y:
-            raise ValueError(f"q has {H} heads; the triton backend takes at most {MAX_GRID_Y}")
-        step = MAX_GRID_Y // H
-        for b0 in range(0, B, step):
-            sl = slice(b0, b0 + step)
-            launch(q[sl], k[sl], v[sl], k_sum[sl], v_sum[sl], None if bias is None else bias[sl], o[sl], lse[sl],
-                   chunk_size=chunk_size, window_size=window_size, sliding=sliding, scale=scale, q_offset=q_offset,
-                   log_count=log_count, config=config)
-        return
-    C, W = int(chunk_size), int(window_size)
-    q_offset = int(q_offset)
-    if config and config.get("GLUON"):  # the warp-specialized Hopper kernel, where it applies
-        from flashswitch.kernels_triton import eva_attention_gluon as glu
-        if glu.supports(q, k, v, k_sum, v_sum, bias, scale, config):
-            glu.launch(q, k, v, k_sum, v_sum, o, lse, chunk_size=C, window_size=W, sliding=sliding, scale=scale,
-                       q_offset=q_offset, log_count=log_count, config=config)
-            return
-    G = H // Hkv
-    geo = geometry or plan(q, k, k_sum, chunk_size=C, window_size=W, sliding=sliding, q_offset=q_offset,
-                           config=config)
-    splits = geo["NUM_SPLITS"]
-
-    if bias is not None:
-        bias_mode, bias_t, sb = BIAS_TENSOR, bias, bias.stride()
-    else:
-        bias_mode, bias_t, sb = (BIAS_LOG_COUNT if log_count else BIAS_NONE), q, (0, 0, 0)
-
-    if splits > 1:
-        o_dst = new_output((splits, B, H, Nq, D), torch.float32, q.device)  # every element is written
-        l_dst = new_output((splits, B, H, Nq), torch.float32, q.device)
-        so = o_dst.stride()
-        sl = l_dst.stride()
-    else:
-        o_dst, l_dst = o, lse
-        so = (0,) + o.stride()[:3]
-        sl = (0,) + lse.stride()
-
-    t_last = q_offset + Nq - 1  # the last query: it sees the most keys and summaries
-    descs = _tma_operands(geo, q, k, v, k_sum, v_sum, t_last + 1, min(_window_start(t_last, C, W, sliding) // C, Nc))
-    kv = descs if descs is not None else (k, v, k_sum, v_sum)
-    grid = (geo["n_row_blocks"], B * (Hkv if geo["PACK_GQA"] else H), splits)
-    _eva_fwd[grid](
-        q, *kv, bias_t, o_dst, l_dst,
-        H, Hkv, G, Nq, Nk, Nc, D, C, W, q_offset, geo["rows"], geo["n_row_blocks"], splits,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        k_sum.stride(0), k_sum.stride(1), k_sum.stride(2),
-        v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
-        sb[0], sb[1], sb[2],
-        so[0], so[1], so[2], so[3],
-        sl[0], sl[1], sl[2], sl[3],
-        _qk_scale(scale), -1.0 if float(scale) < 0 else 1.0,
-        SLIDING=bool(sliding), PACK_GQA=geo["PACK_GQA"], BIAS_MODE=bias_mode, EVEN_D=D == geo["BLOCK_D"],
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NEG_Q=float(scale) < 0, Q_REG=geo["Q_REG"],
-        FUSE=geo["FUSE"], TMA=descs is not None,
-        BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"], BLOCK_D=geo["BLOCK_D"],
-        num_warps=geo["num_warps"], num_stages=geo["num_stages"], **geo["launch"],
-    )
-    if splits > 1:
-        R = B * H * Nq
-        block_d = geo["BLOCK_D"]
-        block_r = max(1, min(64, 4096 // block_d))
-        _eva_combine[(triton.cdiv(R, block_r),)](
-            o_dst, l_dst, o, lse, R, H, Nq, D, splits,
-            o_dst.stride(0), l_dst.stride(0),
-            o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
-            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
-        )
+    prepare(q, k, v, k_sum, v_sum, bias, o, lse, chunk_size=chunk_size, window_size=window_size, sliding=sliding,
+            scale=scale, q_offset=q_offset, log_count=log_count, config=config,
+            geometry=geometry)(q, k, v, k_sum, v_sum, bias, o, lse)

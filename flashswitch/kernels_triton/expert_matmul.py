@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashswitch.kernels_triton.kernel_call import KernelCall
+
 MAX_INTERLEAVE_E = 1024  # the interleaved schedule keeps all experts' tile counts in registers
 MAX_BLOCK_E = 1024       # experts scanned per step when a program looks for its tile
 
@@ -260,33 +262,44 @@ def _row_tile_grid(E: int, P: int, BM: int, interleave: bool) -> tuple[bool, int
     return interleave, block_e, triton.cdiv(P, BM) + min(E, P), triton.cdiv(P, BM).bit_length() + 1
 
 
-def _launch_group_sum(scratch: torch.Tensor, y: torch.Tensor, R: int, d: int, spg: int) -> None:
-    """y [R, d] = scratch [R, spg, d] summed over its spg slots in slot order (`_group_sum`)."""
+def _group_sum_call(R: int, d: int, spg: int, fast: bool = False) -> KernelCall:
+    """The launch of `_group_sum` (y [R, d] = scratch [R, spg, d] summed over its spg slots in slot
+    order), called with (scratch, y)."""
     BLOCK_N = min(128, max(16, triton.next_power_of_2(d)))
     BLOCK_R = max(1, 4096 // BLOCK_N)
-    _group_sum[(triton.cdiv(R, BLOCK_R), triton.cdiv(d, BLOCK_N))](
-        scratch, y, R, d, spg, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=4)
+    return KernelCall(_group_sum, (triton.cdiv(R, BLOCK_R), triton.cdiv(d, BLOCK_N)), 2, (R, d, spg),
+                      dict(BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N), dict(num_warps=4), fast=fast)
 
 
-def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
-    """Fill y [T, G_out, d_out] (contiguous, x's dtype).
+def _launch_group_sum(scratch: torch.Tensor, y: torch.Tensor, R: int, d: int, spg: int) -> None:
+    """y [R, d] = scratch [R, spg, d] summed over its spg slots in slot order (`_group_sum`)."""
+    _group_sum_call(R, d, spg)(scratch, y)
 
-    x3: [T, G_in, d_in] with a unit last stride. weight: [E, d_in, d_out], any strides, x's dtype or
-    fp32. gates: None or [T, S] (any float dtype, any strides). route: a `Route` (token, slot int32
-    [P]; offsets int64 [E+1]). config (complete, from call_plan.config or complete_config): BLOCK_M,
-    BLOCK_N, BLOCK_K, GROUP_N, INTERLEAVE, num_warps, num_stages, optional REDUCE ("atomic" or "ordered") and
-    PARTIALS ("fp32" or "out": the dtype of the per-pair partials of the slot sum; `deterministic`
-    keeps fp32).
-    """
+
+def _nothing(*tensors) -> None:
+    """The enqueue of a problem with nothing to compute."""
+
+
+def _zero_output(x3, weight, gates, route, y) -> None:
+    """The enqueue of a problem with d_in = 0: every product is 0."""
+    y.zero_()
+
+
+_nothing.calls = _zero_output.calls = ()
+
+
+def prepare(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config, fast=False):
+    """The launches `launch` makes for these arguments, prepared from their metadata only (shapes,
+    strides, dtypes, the route's sizes; y may be a meta tensor): an enqueue taking the tensors of a
+    call with the same metadata, (x3, weight, gates, route, y). fast: direct launches (kernel_call)."""
     T, _, d_in = x3.shape
     E, _, d_out = weight.shape
     S = route.S
     P = T * S
     if y.numel() == 0:
-        return
+        return _nothing
     if d_in == 0:
-        y.zero_()
-        return
+        return _zero_output
     BM = _pow2("BLOCK_M", config["BLOCK_M"])
     BN = _pow2("BLOCK_N", config["BLOCK_N"])
     BK = _pow2("BLOCK_K", config["BLOCK_K"])
@@ -302,38 +315,65 @@ def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
         raise ValueError(f"config PARTIALS must be one of {PARTIALS_MODES}, got {partials!r}")
     part_dtype = torch.float32 if deterministic or partials == "fp32" else y.dtype
     narrow_atomics_round = part_dtype != torch.float32 and S // G_out > 2  # see the module docstring
-    scratch = None
+    ordered = atomic = False
     if G_out == S:  # one pair per output row: store straight into y
-        target, atomic, spg_out = y, False, 1
+        st, spg_out = y.stride(), 1
     elif deterministic or reduce == "ordered" or narrow_atomics_round:  # per-pair rows, summed in slot order
-        scratch = torch.empty((T, S, d_out), dtype=part_dtype, device=y.device)
-        target, atomic, spg_out = scratch, False, 1
-    else:
-        target = y.zero_() if y.dtype == part_dtype else torch.zeros(y.shape, dtype=part_dtype, device=y.device)
+        ordered, spg_out = True, 1
+        scratch_shape = (T, S, d_out)
+        st = torch.empty(scratch_shape, dtype=part_dtype, device="meta").stride()
+    else:  # atomic adds into y zeroed, or into a zeroed fp32 accumulator cast into y after
         atomic, spg_out = True, S // G_out
+        into_y = y.dtype == part_dtype
+        st = y.stride() if into_y else torch.empty(y.shape, dtype=part_dtype, device="meta").stride()
 
     has_gates = gates is not None
-    g = gates if has_gates else x3
     sg = gates.stride() if has_gates else (0, 0)
     dot_precision = "ieee" if x3.dtype == torch.float32 else "tf32"
     sw = weight.stride()
     sx = (x3.stride(0), x3.stride(1) if G_in > 1 else 0)  # with one input group every slot reads group 0
-    grid = (grid_m * n_tiles_n,)
-    _expert_matmul_fwd[grid](
-        x3, weight, g, route.token, route.slot, route.offsets, target,
-        E, d_in, d_out, S // G_in, spg_out,
-        sx[0], sx[1],
-        sw[0], sw[1], sw[2],
-        sg[0], sg[1],
-        target.stride(0), target.stride(1),
-        grid_m, n_tiles_n, group_n, n_iter,
-        ATOMIC=atomic, HAS_GATES=has_gates, DOT_PRECISION=dot_precision, INTERLEAVE=interleave,
-        EVEN_K=d_in % BK == 0, DIV_K=_pow2_divisor(d_in, sx[0], sx[1]),
-        DIV_N=_pow2_divisor(d_out, sw[0], sw[1], target.stride(0), target.stride(1)),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_E=block_e,
-        num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
-    )
-    if scratch is not None:
-        _launch_group_sum(scratch, y, T * G_out, d_out, S // G_out)
-    elif atomic and target is not y:
-        y.copy_(target)
+    call = KernelCall(
+        _expert_matmul_fwd, (grid_m * n_tiles_n,), 7,
+        (E, d_in, d_out, S // G_in, spg_out,
+         sx[0], sx[1],
+         sw[0], sw[1], sw[2],
+         sg[0], sg[1],
+         st[0], st[1],
+         grid_m, n_tiles_n, group_n, n_iter),
+        dict(ATOMIC=atomic, HAS_GATES=has_gates, DOT_PRECISION=dot_precision, INTERLEAVE=interleave,
+             EVEN_K=d_in % BK == 0, DIV_K=_pow2_divisor(d_in, sx[0], sx[1]),
+             DIV_N=_pow2_divisor(d_out, sw[0], sw[1], st[0], st[1]),
+             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_E=block_e),
+        dict(num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"])), fast=fast)
+    group_sum = _group_sum_call(T * G_out, d_out, S // G_out, fast) if ordered else None
+    device = y.device if y.device.type != "meta" else x3.device
+
+    def enqueue(x3, weight, gates, route, y):
+        if ordered:
+            target = torch.empty(scratch_shape, dtype=part_dtype, device=device)
+        elif atomic:
+            target = y.zero_() if into_y else torch.zeros(y.shape, dtype=part_dtype, device=device)
+        else:
+            target = y
+        call(x3, weight, gates if has_gates else x3, route.token, route.slot, route.offsets, target)
+        if ordered:
+            group_sum(target, y)
+        elif atomic and not into_y:
+            y.copy_(target)
+
+    enqueue.calls = (call,) if group_sum is None else (call, group_sum)  # what it launches (tests)
+    return enqueue
+
+
+def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
+    """Fill y [T, G_out, d_out] (contiguous, x's dtype).
+
+    x3: [T, G_in, d_in] with a unit last stride. weight: [E, d_in, d_out], any strides, x's dtype or
+    fp32. gates: None or [T, S] (any float dtype, any strides). route: a `Route` (token, slot int32
+    [P]; offsets int64 [E+1]). config (complete, from call_plan.config or complete_config): BLOCK_M,
+    BLOCK_N, BLOCK_K, GROUP_N, INTERLEAVE, num_warps, num_stages, optional REDUCE ("atomic" or "ordered") and
+    PARTIALS ("fp32" or "out": the dtype of the per-pair partials of the slot sum; `deterministic`
+    keeps fp32).
+    """
+    prepare(x3, weight, gates, route, y, G_in=G_in, G_out=G_out, deterministic=deterministic,
+            config=config)(x3, weight, gates, route, y)

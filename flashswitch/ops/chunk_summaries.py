@@ -35,8 +35,9 @@ def _features_bwd(k: torch.Tensor, chunk_size: int, key_weight, valid) -> dict:
     return space.features(OP_BWD, dtype=C.DTYPE_NAMES[k.dtype], D=D, C=chunk_size, rows=B * H * N)
 
 
-def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale, config=None):
-    """(k_sum, v_sum, lse) from `backend`'s launcher; config: complete (call_plan), None: looked up."""
+def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale, config=None, enqueue=None):
+    """(k_sum, v_sum, lse) from `backend`'s launcher, or from `enqueue` (a call plan's prepared launch);
+    config: complete (call_plan), None: looked up."""
     B, H, N, D = k.shape
     omega = _kernel_view(k, chunk_size, omega)
     Nc = -(-N // chunk_size)
@@ -48,6 +49,9 @@ def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale
     if D == 0:  # nothing to read: lse = log n_c, which the reference computes without a launch
         from flashswitch.reference.chunk_summaries import torch_chunk_summaries
         lse.copy_(torch_chunk_summaries(k, v, chunk_size, valid=valid, return_lse=True)[2])
+        return k_sum, v_sum, lse
+    if enqueue is not None:
+        enqueue(k, v, omega, key_weight, valid, k_sum, v_sum, lse)
         return k_sum, v_sum, lse
     if config is None:
         config = call_plan.config(OP, backend, _features(k, chunk_size, key_weight, valid))
@@ -255,7 +259,8 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
         out = torch_chunk_summaries(k, v, chunk_size, omega=omega, key_weight=key_weight, valid=valid,
                                     scale=plan.scale, return_lse=True)
     elif C.eager_fast_path(k, v, omega, key_weight):
-        out = _run_backend(plan.backend, k, v, chunk_size, omega, key_weight, valid, plan.scale, plan.config)
+        out = _run_backend(plan.backend, k, v, chunk_size, omega, key_weight, valid, plan.scale, plan.config,
+                           plan.enqueue)
     else:
         out = _chunk_summaries_op(k, v, chunk_size, omega, key_weight, valid, plan.scale, plan.backend)
     return tuple(out) if return_lse else (out[0], out[1])
@@ -268,6 +273,7 @@ class _Plan:
     backend: str
     config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
     scale: float
+    enqueue: Optional[Callable] = None  # the Triton launch prepared for this signature (kernels_triton)
 
 
 _PLANS = call_plan.PlanCache()
@@ -289,10 +295,25 @@ def _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend) -> _Plan:
         raise ValueError(f"k has head dim D={k.shape[-1]}; the {backend} kernels support D <= {MAX_KERNEL_D} "
                          f"(use backend='reference')")
     B, H, N, D = k.shape
-    config = None
+    config = enqueue = None
     if backend != "reference" and B * H * N and D and not torch.compiler.is_compiling():
         config = call_plan.config(OP, backend, bucket or _features(k, chunk_size, key_weight, valid))
-    return _Plan(backend, config, scale)
+        if backend == "triton":
+            enqueue = _prepare_triton(k, v, chunk_size, omega, key_weight, valid, scale, config)
+    return _Plan(backend, config, scale, enqueue)
+
+
+def _prepare_triton(k, v, chunk_size, omega, key_weight, valid, scale, config) -> Callable:
+    """The Triton launch of this signature, prepared once (outputs as meta tensors: only their shapes,
+    strides and dtypes are read)."""
+    from flashswitch.kernels_triton import chunk_summaries as kernels
+    from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
+    B, H, N, D = k.shape
+    Nc = -(-N // chunk_size)
+    meta = [torch.empty(shape, dtype=dtype, device="meta")
+            for shape, dtype in (((B, H, Nc, D), k.dtype), ((B, H, Nc, D), v.dtype), ((B, H, Nc), torch.float32))]
+    return kernels.prepare(k, v, _kernel_view(k, chunk_size, omega), key_weight, valid, *meta, chunk_size=chunk_size,
+                           scale=scale, config=config, fast=fast_launch_wanted(k.device))
 
 
 __all__ = ["chunk_summaries"]

@@ -55,17 +55,20 @@ def _launcher(backend: str) -> Callable:
 
 
 def _run_backend(backend: str, q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset,
-                 log_count, config=None, launch=None):
-    """(o, lse) from `backend`'s launcher (or `launch`, a call plan's); config: complete (call_plan),
-    None: looked up."""
+                 log_count, config=None, enqueue=None):
+    """(o, lse) from `backend`'s launcher, or from `enqueue` (a call plan's prepared launch); config:
+    complete (call_plan), None: looked up."""
     B, H, Nq, D = q.shape
     o = C.new_output((B, H, Nq, D), q.dtype, q.device)
     lse = C.new_output((B, H, Nq), torch.float32, q.device)
     if B * H * Nq == 0:
         return o, lse
+    if enqueue is not None:
+        enqueue(q, k, v, k_sum, v_sum, bias, o, lse)
+        return o, lse
     if config is None:
         config = call_plan.config(OP, backend, _features(q, k, chunk_size, window_size, window))
-    (launch or _launcher(backend))(q, k, v, k_sum, v_sum, bias, o, lse, chunk_size=chunk_size, window_size=window_size,
+    _launcher(backend)(q, k, v, k_sum, v_sum, bias, o, lse, chunk_size=chunk_size, window_size=window_size,
                        sliding=window == "sliding", scale=scale, q_offset=q_offset, log_count=log_count,
                        config=config)
     return o, lse
@@ -302,7 +305,7 @@ def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torc
         args = (q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, plan.scale, plan.q_offset,
                 plan.log_count)
         if C.eager_fast_path(q, k, v, k_sum, v_sum, bias):
-            out = _run_backend(plan.backend, *args, config=plan.config, launch=plan.launch)
+            out = _run_backend(plan.backend, *args, config=plan.config, enqueue=plan.enqueue)
         else:
             out = _eva_attention_op(*args, plan.backend)
     return tuple(out) if return_lse else out[0]
@@ -318,7 +321,7 @@ class _Plan:
     q_offset: int
     bias_tensor: bool
     log_count: bool
-    launch: Optional[Callable] = None  # the launcher, with its launch geometry bound where it has one
+    enqueue: Optional[Callable] = None  # the Triton launch prepared for this signature (kernels_triton)
 
 
 _PLANS = call_plan.PlanCache()
@@ -337,16 +340,27 @@ def _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary
                                                  summary_bias, q_offset)
     bucket = _features(q, k, chunk_size, window_size, window) if q.is_cuda else None
     backend = C.resolve_backend(OP, backend, q.device, bucket)
-    config = launch = None
+    config = enqueue = None
     if backend != "reference" and q.shape[0] * q.shape[1] * q.shape[2] and not torch.compiler.is_compiling():
         config = call_plan.config(OP, backend, bucket or _features(q, k, chunk_size, window_size, window))
-        launch = _launcher(backend)
         if backend == "triton":
-            from flashswitch.kernels_triton import eva_attention as kernels
-            geometry = kernels.plan(q, k, k_sum, chunk_size=chunk_size, window_size=window_size,
-                                    sliding=window == "sliding", q_offset=q_offset, config=config)
-            launch = functools.partial(launch, geometry=geometry)
-    return _Plan(backend, config, scale, q_offset, bias is not None, log_count, launch)
+            enqueue = _prepare_triton(q, k, v, k_sum, v_sum, _kernel_bias(bias), chunk_size, window_size, window,
+                                      scale, q_offset, log_count, config)
+    return _Plan(backend, config, scale, q_offset, bias is not None, log_count, enqueue)
+
+
+def _prepare_triton(q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset, log_count,
+                    config) -> Callable:
+    """The Triton launch of this signature, prepared once (outputs as meta tensors: only their shapes,
+    strides and dtypes are read)."""
+    from flashswitch.kernels_triton import eva_attention as kernels
+    from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
+    B, H, Nq, D = q.shape
+    o = torch.empty((B, H, Nq, D), dtype=q.dtype, device="meta")
+    lse = torch.empty((B, H, Nq), dtype=torch.float32, device="meta")
+    return kernels.prepare(q, k, v, k_sum, v_sum, bias, o, lse, chunk_size=chunk_size, window_size=window_size,
+                           sliding=window == "sliding", scale=scale, q_offset=q_offset, log_count=log_count,
+                           config=config, fast=fast_launch_wanted(q.device))
 
 
 __all__ = ["eva_attention", "run_backward", "GRAD_INPUTS"]

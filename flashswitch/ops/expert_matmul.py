@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -265,11 +265,17 @@ def _launcher(backend: str):
     return launch
 
 
-def _run_backend(backend: str, x3, weight, gates, rt: Route, G_out: int, deterministic: bool, config=None):
+def _run_backend(backend: str, x3, weight, gates, rt: Route, G_out: int, deterministic: bool, config=None,
+                 enqueue=None):
+    """y from `backend`'s launcher, or from `enqueue` (a call plan's prepared launch); config: complete
+    (call_plan), None: looked up."""
     T, G_in, d_in = x3.shape
     d_out = weight.shape[2]
     y = C.new_output((T, G_out, d_out), x3.dtype, x3.device)
     if y.numel() == 0:
+        return y
+    if enqueue is not None:
+        enqueue(x3, weight, gates, rt, y)
         return y
     if config is None:
         config = call_plan.config(OP, backend, _features(x3, weight, rt.S, G_out, deterministic))
@@ -456,7 +462,8 @@ def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates:
         return torch_expert_matmul(x, route.expert_idx, weight, gates=gates, out_groups=out_groups)
     x3 = _x3(x)
     if C.eager_fast_path(x3, weight, gates):
-        return _run_backend(plan.backend, x3, weight, gates, route, plan.G_out, deterministic, plan.config)
+        return _run_backend(plan.backend, x3, weight, gates, route, plan.G_out, deterministic, plan.config,
+                            plan.enqueue)
     return _expert_matmul_op(x3, weight, gates, route.token, route.slot, route.offsets, route.S, plan.G_out,
                              deterministic, plan.backend)
 
@@ -468,6 +475,7 @@ class _Plan:
     backend: str
     config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
     G_out: int
+    enqueue: Optional[Callable] = None  # the Triton launch prepared for this signature (kernels_triton)
 
 
 _PLANS = call_plan.PlanCache()
@@ -487,10 +495,22 @@ def _plan(x, route, weight, gates, out_groups, deterministic, backend) -> _Plan:
     x3 = _x3(x)
     bucket = _features(x3, weight, route.S, G_out, deterministic) if x.is_cuda else None
     backend = C.resolve_backend(OP, backend, x.device, bucket)
-    config = None
+    config = enqueue = None
     if backend != "reference" and x.shape[0] * weight.shape[2] and not torch.compiler.is_compiling():
         config = call_plan.config(OP, backend, bucket or _features(x3, weight, route.S, G_out, deterministic))
-    return _Plan(backend, config, G_out)
+        if backend == "triton":
+            enqueue = _prepare_triton(x3, weight, gates, route, G_in, G_out, deterministic, config)
+    return _Plan(backend, config, G_out, enqueue)
+
+
+def _prepare_triton(x3, weight, gates, route, G_in, G_out, deterministic, config) -> Callable:
+    """The Triton launch of this signature, prepared once (y as a meta tensor: only its shape, strides
+    and dtype are read; of the route only its sizes)."""
+    from flashswitch.kernels_triton import expert_matmul as kernels
+    from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
+    y = torch.empty((x3.shape[0], G_out, weight.shape[2]), dtype=x3.dtype, device="meta")
+    return kernels.prepare(x3, weight, gates, route, y, G_in=G_in, G_out=G_out, deterministic=deterministic,
+                           config=config, fast=fast_launch_wanted(x3.device))
 
 
 __all__ = ["Route", "route", "expert_matmul"]
