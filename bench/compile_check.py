@@ -55,6 +55,9 @@ def _recording(modules):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.append((self.fn, args, kwargs))
 
+        def __getattr__(self, name):  # the launchers read the kernel's parameter names
+            return getattr(self.fn, name)
+
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m)
              if isinstance(getattr(m, n), triton.runtime.JITFunction)]
     old_available = _common.backend_available
