@@ -128,16 +128,19 @@ def test_reference_backend_gradients(case):
 
 @pytest.mark.parametrize("window", ["block", "sliding"])
 @pytest.mark.parametrize("C,W,bias", [(4, 32, None), (3, 9, "log_count"), (2, 30, "tensor")])
-@pytest.mark.parametrize("bm,bn,splits", [(16, 16, 1), (32, 16, 3)])
-def test_every_tile_kind(bwd_backend, window, C, W, bias, bm, bn, splits):
+@pytest.mark.parametrize("bm,bn,splits,split_loops", [(16, 16, 1, False), (32, 16, 3, False), (16, 16, 1, True),
+                                                      (32, 16, 3, True), (16, 32, 2, True)])
+def test_every_tile_kind(bwd_backend, window, C, W, bias, bm, bn, splits, split_loops):
     """Small tiles on a long problem: query tiles that see a key / summary tile fully and partly (window
     and chunk edges at every offset within a tile), summaries seen by every later query, GQA, q_offset
-    not tile aligned, keys before the first query."""
+    not tile aligned, keys before the first query. KV_SPLIT_LOOPS: the dK/dV walk's leading, unmasked
+    middle and trailing loops, each cut into the summary pieces."""
     p = random_problem(1, 4, 2, 50, 110, 16, C, W, window=window, summary_bias=bias, q_offset=46,
                        device=DEVICE, seed=5)
     do, dlse = _upstream(p, 1)
     ins, b, rest = _split(p)
-    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits)
+    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits,
+               KV_SPLIT_LOOPS=split_loops)
     got = op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
     assert len(got) == len(op.GRAD_INPUTS)
     _check(got, p, do, dlse)
@@ -146,18 +149,19 @@ def test_every_tile_kind(bwd_backend, window, C, W, bias, bm, bn, splits):
 @with_fixture
 @given(C=st.integers(1, 5), m=st.integers(1, 16), window=st.sampled_from(["block", "sliding"]),
        Nk=st.integers(1, 110), data=st.data(), bm=st.sampled_from([16, 32]), bn=st.sampled_from([16, 32]),
-       splits=st.sampled_from([0, 1, 2, 5]))
-def test_small_tiles_match_reference(bwd_backend, C, m, window, Nk, data, bm, bn, splits):
+       splits=st.sampled_from([0, 1, 2, 5]), split_loops=st.booleans())
+def test_small_tiles_match_reference(bwd_backend, C, m, window, Nk, data, bm, bn, splits, split_loops):
     """16 / 32-row tiles at random query offsets and window / chunk sizes: the boundaries between fully
     and partly visible tiles fall at every offset within a tile. Summary tiles cut into 1-5 pieces
-    (0: automatic), more pieces than query tiles included."""
+    (0: automatic), more pieces than query tiles included; the dK/dV walk in one loop or three."""
     Nq = data.draw(st.integers(1, Nk))
     q_offset = data.draw(st.integers(0, Nk - Nq))
     p = random_problem(1, 2, 1, Nq, Nk, 16, C, C * m, window=window, summary_bias="tensor", q_offset=q_offset,
                        device=DEVICE, seed=Nk)
     do, dlse = _upstream(p, Nq)
     ins, b, rest = _split(p)
-    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits)
+    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits,
+               KV_SPLIT_LOOPS=split_loops)
     _check(op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b), p, do, dlse)
 
 
