@@ -7,12 +7,16 @@ A gradient must be within 2x the error of the torch reference's gradient in the 
 the reference, opcheck of both custom ops, bitwise determinism, the gradient through lse, rows no
 query sees (NaN there must not reach a gradient), explicit configs, torch.compile and CUDA graphs.
 """
+import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import DEVICE, dtypes_here, kernel_backends
 from flashswitch.autotune import space
+from flashswitch.kernels_triton.eva_attention_bwd import _kv_walk_range
 from flashswitch.ops import eva_attention as op
 from flashswitch.ops.eva_attention import eva_attention
 from flashswitch.reference.eva_attention import random_problem, torch_eva_attention
@@ -163,6 +167,74 @@ def test_small_tiles_match_reference(bwd_backend, C, m, window, Nk, data, bm, bn
     cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits,
                KV_SPLIT_LOOPS=split_loops)
     _check(op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b), p, do, dlse)
+
+
+@triton.jit
+def _probe_walk_range(cases_ptr, out_ptr, n_cases, SUMMARY: tl.constexpr, SLIDING: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    """`_kv_walk_range` of n_cases key tiles at once: cases rows (n0, N, Nq, C, W, q_offset), int32."""
+    i = tl.arange(0, BLOCK)
+    ok = i < n_cases
+    n0 = tl.load(cases_ptr + i * 6, mask=ok, other=0)
+    N = tl.load(cases_ptr + i * 6 + 1, mask=ok, other=1)
+    Nq = tl.load(cases_ptr + i * 6 + 2, mask=ok, other=1)
+    C = tl.load(cases_ptr + i * 6 + 3, mask=ok, other=1)
+    W = tl.load(cases_ptr + i * 6 + 4, mask=ok, other=1)
+    q_offset = tl.load(cases_ptr + i * 6 + 5, mask=ok, other=0)
+    t_lo, t_hi, n_tiles, i_a, i_b = _kv_walk_range(n0, N, Nq, C, W, q_offset, SUMMARY, SLIDING, BLOCK_M, BLOCK_N)
+    tl.store(out_ptr + i * 5, t_lo, mask=ok)
+    tl.store(out_ptr + i * 5 + 1, t_hi, mask=ok)
+    tl.store(out_ptr + i * 5 + 2, n_tiles, mask=ok)
+    tl.store(out_ptr + i * 5 + 3, i_a, mask=ok)
+    tl.store(out_ptr + i * 5 + 4, i_b, mask=ok)
+
+
+def _walk_range_cases(summary, rng, problems=600):
+    """Key tiles (n0, N, Nq, C, W, q_offset) of random small problems: C in 1..6 (1 often: its windows
+    end at every position), W / C in 1..48, prefill and later queries, summary counts other than
+    ceil(Nk / C); every tile n0 < N at BLOCK_N 16 (n0 % 32 == 0 also serves BLOCK_N 32)."""
+    cases = []
+    for _ in range(problems):
+        C = int(rng.choice([1, 1, 1, 2, 3, 4, 5, 6]))
+        W = C * int(rng.integers(1, 49))
+        Nk = int(rng.integers(1, 160))
+        Nq = int(rng.integers(1, Nk + 1))
+        q_offset = int(rng.integers(0, Nk - Nq + 1))
+        N = int(rng.integers(1, -(-Nk // C) + 4)) if summary else Nk
+        cases += [(n0, N, Nq, C, W, q_offset) for n0 in range(0, N, 16)]
+    return np.array(cases, dtype=np.int32)
+
+
+@pytest.mark.parametrize("window", ["block", "sliding"])
+@pytest.mark.parametrize("summary", [False, True])
+def test_kv_walk_range_is_exact(window, summary):
+    """The dK/dV kernel's query walk of a key tile (`_kv_walk_range`) against SPEC.md's visibility rule,
+    brute force: [t_lo, t_hi] is exactly the set of queries that see some key of the tile, and the tiles
+    [i_a, i_b) (KV_SPLIT_LOOPS walks them unmasked) exactly those whose every row sees every key below N."""
+    from flashswitch.reference.eva_attention import start_positions
+    rng = np.random.default_rng(7 + 2 * summary + (window == "sliding"))
+    all_cases = _walk_range_cases(summary, rng)
+    for bm, bn in ((16, 16), (32, 16), (16, 32), (64, 32)):
+        cases = all_cases[all_cases[:, 0] % bn == 0]
+        out = torch.full((len(cases), 5), -99, dtype=torch.int32, device=DEVICE)
+        _probe_walk_range[(1,)](torch.from_numpy(cases).to(DEVICE), out, len(cases), SUMMARY=summary,
+                                SLIDING=window == "sliding", BLOCK_M=bm, BLOCK_N=bn,
+                                BLOCK=triton.next_power_of_2(len(cases)))
+        for (n0, N, Nq, C, W, q_offset), (t_lo, t_hi, n_tiles, i_a, i_b) in zip(cases, out.cpu().numpy()):
+            keys = np.arange(n0, min(n0 + bn, N))
+            t = np.arange(q_offset, q_offset + Nq + bm)[:, None]            # queries, then rows past them
+            st = start_positions(t, chunk_size=int(C), window_size=int(W), window=window)
+            vis = (keys < np.minimum(st // C, N)) if summary else ((keys >= st) & (keys <= t))
+            vis &= t < q_offset + Nq
+            seen = np.flatnonzero(vis.any(axis=1)) + q_offset
+            where = f"n0={n0} N={N} Nq={Nq} C={C} W={W} q_offset={q_offset} BLOCK_M={bm} BLOCK_N={bn}"
+            if len(seen) == 0:
+                assert n_tiles == 0, where
+                continue
+            assert (t_lo, t_hi) == (seen[0], seen[-1]) and len(seen) == t_hi - t_lo + 1, where
+            assert n_tiles == -(-(t_hi - t_lo + 1) // bm) and 0 <= i_a <= i_b <= n_tiles, where
+            full = [i for i in range(n_tiles) if vis[t_lo - q_offset + i * bm:][:bm].all()]
+            assert full == list(range(i_a, i_b)), (where, full, i_a, i_b)
 
 
 @pytest.mark.parametrize("window,C,W,Nk", [("block", 1, 1, 40), ("block", 4, 4, 37), ("sliding", 4, 4, 37),

@@ -90,6 +90,33 @@ def _last_seer(j, C, W, SLIDING: tl.constexpr):
 
 
 @triton.jit
+def _kv_walk_range(n0, N, Nq, C, W, q_offset, SUMMARY: tl.constexpr, SLIDING: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The query walk of the key tile [n0, n0 + BLOCK_N) of N keys (exact keys, or summaries), n0 < N:
+    (t_lo, t_hi, n_tiles, i_a, i_b). Positions [t_lo, t_hi] are the queries that see some key of the tile,
+    walked in n_tiles tiles of BLOCK_M from t_lo; every row of tiles [i_a, i_b) is a query that sees every
+    key of the tile below N, the others see it in part. Rows past N may count as seen: they are zeros
+    (k, v and bias read masked) whose gradients are never stored, and one row's terms reach no other row's.
+    Elementwise on tensors too (the tests check it against the visibility rule of SPEC.md)."""
+    t_last = q_offset + Nq - 1
+    n_end = tl.minimum(n0 + BLOCK_N - 1, N - 1)
+    if SUMMARY:
+        t_lo = tl.maximum(_first_seer(n0, C, W, SLIDING), q_offset)
+        t_hi = t_last
+        full_lo = _first_seer(n_end, C, W, SLIDING)                         # sees summaries <= n_end
+        full_hi = t_hi
+    else:
+        t_lo = tl.maximum(n0, q_offset)
+        t_hi = tl.minimum(_last_seer(n_end, C, W, SLIDING), t_last)
+        full_lo = n_end                                                     # causal: t >= every key
+        full_hi = tl.minimum(_last_seer(n0, C, W, SLIDING), t_hi)           # start(t) <= n0
+    n_tiles = tl.cdiv(tl.maximum(t_hi - t_lo + 1, 0), BLOCK_M)
+    i_a = tl.minimum(tl.cdiv(tl.maximum(full_lo - t_lo, 0), BLOCK_M), n_tiles)
+    i_b = tl.maximum(tl.maximum(full_hi - t_lo + 1, 0) // BLOCK_M, i_a)
+    return t_lo, t_hi, n_tiles, i_a, i_b
+
+
+@triton.jit
 def _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq, Nc, C, W, q_offset,
              it_lo, it_hi, n_seg, m_first, t_hi, offs_n, offs_m, offs_d, mask_d,
              stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
@@ -185,22 +212,14 @@ def _kv_tile(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    t_last = q_offset + Nq - 1
 
     # the k, v rows of the tile (rows past N read as zeros)
     k_ptrs = k_ptr + b * stride_kb + hkv * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = v_ptr + b * stride_vb + hkv * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :]
     k, v = _load_kv(k_ptrs, v_ptrs, offs_n, N, mask_d, EVEN_D)
 
-    # the positions that see some key of the tile: [t_lo, t_hi]; with SPLIT_LOOPS those that see all of
-    # it: [full_lo, full_hi] (and none when the tile runs past the N keys)
-    n_last = n0 + BLOCK_N - 1
     bias2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     if SUMMARY:
-        t_lo = tl.maximum(_first_seer(n0, C, W, SLIDING), q_offset)
-        t_hi = t_last
-        full_lo = _first_seer(n_last, C, W, SLIDING)
-        full_hi = t_hi
         if BIAS_MODE == 1:
             bias = tl.load(bias_ptr + b * stride_bb + hkv * stride_bh + offs_n.to(tl.int64) * stride_bc,
                            mask=offs_n < N, other=0.0).to(tl.float32)
@@ -208,20 +227,12 @@ def _kv_tile(
         elif BIAS_MODE == 2:
             count = tl.minimum(C, Nk - offs_n * C).to(tl.float32)            # tokens of chunk n
             bias2 = tl.log2(tl.maximum(count, 1.0))
-    else:
-        t_lo = tl.maximum(n0, q_offset)
-        t_hi = tl.minimum(_last_seer(tl.minimum(n_last, N - 1), C, W, SLIDING), t_last)
-        full_lo = n_last                                                    # causal: t >= every key
-        full_hi = tl.minimum(_last_seer(n0, C, W, SLIDING), t_hi)           # start(t) <= n0
-    n_tiles = tl.cdiv(tl.maximum(t_hi - t_lo + 1, 0), BLOCK_M)
+    t_lo, t_hi, n_tiles, i_a, i_b = _kv_walk_range(n0, N, Nq, C, W, q_offset, SUMMARY, SLIDING, BLOCK_M, BLOCK_N)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dbias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if SPLIT_LOOPS:
-        # query tiles [0, i_a) see the key tile in part, [i_a, i_b) whole, [i_b, n_tiles) in part
-        i_a = tl.minimum(tl.cdiv(tl.maximum(full_lo - t_lo, 0), BLOCK_M), n_tiles)
-        i_b = tl.where(n_last < N, tl.maximum(tl.maximum(full_hi - t_lo + 1, 0) // BLOCK_M, i_a), i_a)
         n_lead = G * i_a
         dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
                                  Nc, C, W, q_offset, split * n_lead // n_splits, (split + 1) * n_lead // n_splits,
