@@ -126,7 +126,8 @@ def _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, h
     query tiles from position m_first: head hkv * G + it // n_seg, tile m_first + (it % n_seg) * BLOCK_M.
     MASK: each element takes its visibility (rows past t_hi are no queries). Without MASK every row of
     every tile is a query that sees every key of the key tile: no compares, no `where`."""
-    for it in range(it_lo, it_hi):
+    for j in range(0, it_hi - it_lo):
+        it = it_lo + j
         h = hkv * G + it // n_seg
         q_base = q_ptr + b * stride_qb + h * stride_qh
         do_base = do_ptr + b * stride_dob + h * stride_doh
@@ -202,8 +203,7 @@ def _kv_tile(
     The query tiles are walked in one loop that masks every tile or, with SPLIT_LOOPS, in three: the
     leading tiles that see the key tile in part, the middle ones whose every row sees all of it (no
     mask), the trailing ones that see it in part (a sliding window's trailing edge, the last tile's
-    rows past the queries). Each loop's (query head, query tile) pairs are cut into the n_splits pieces
-    on their own. A branch on "tile fully visible" inside one loop, with tensor values on both sides,
+    rows past the queries). The n_splits pieces cut the pairs in that order: lead, middle, trail. A branch on "tile fully visible" inside one loop, with tensor values on both sides,
     makes Triton 3.6's software pipeliner fail (or miscompile) it: the mask is a constexpr per loop."""
     b = (pid_bh // Hkv).to(tl.int64)
     hkv = (pid_bh % Hkv).to(tl.int64)
@@ -232,33 +232,43 @@ def _kv_tile(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dbias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # this piece's share [lo, hi) of the (query head, query tile) pairs, in one fixed order
+    lo = split * (G * n_tiles) // n_splits
+    hi = (split + 1) * (G * n_tiles) // n_splits
     if SPLIT_LOOPS:
+        # the pairs ordered as the leading tiles of every head, the middle ones, the trailing ones; each
+        # loop takes the part of [lo, hi) that falls in its run
         n_lead = G * i_a
+        n_mid = G * (i_b - i_a)
+        n_trail = G * (n_tiles - i_b)
         dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
-                                 Nc, C, W, q_offset, split * n_lead // n_splits, (split + 1) * n_lead // n_splits,
+                                 Nc, C, W, q_offset, tl.minimum(lo, n_lead), tl.minimum(hi, n_lead),
                                  tl.maximum(i_a, 1), t_lo, t_hi, offs_n, offs_m, offs_d, mask_d,
                                  stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                                  stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
                                  EVEN_D, True, DOT_PREC, BLOCK_M)
-        n_mid = G * (i_b - i_a)
+        lo -= n_lead
+        hi -= n_lead
         dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
-                                 Nc, C, W, q_offset, split * n_mid // n_splits, (split + 1) * n_mid // n_splits,
-                                 tl.maximum(i_b - i_a, 1), t_lo + i_a * BLOCK_M, t_hi, offs_n, offs_m, offs_d,
+                                 Nc, C, W, q_offset, tl.minimum(tl.maximum(lo, 0), n_mid),
+                                 tl.minimum(tl.maximum(hi, 0), n_mid), tl.maximum(i_b - i_a, 1),
+                                 t_lo + i_a * BLOCK_M, t_hi, offs_n, offs_m, offs_d,
                                  mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                                  stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
                                  EVEN_D, False, DOT_PREC, BLOCK_M)
-        n_trail = G * (n_tiles - i_b)
+        lo -= n_mid
+        hi -= n_mid
         dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
-                                 Nc, C, W, q_offset, split * n_trail // n_splits, (split + 1) * n_trail // n_splits,
-                                 tl.maximum(n_tiles - i_b, 1), t_lo + i_b * BLOCK_M, t_hi, offs_n, offs_m, offs_d,
+                                 Nc, C, W, q_offset, tl.minimum(tl.maximum(lo, 0), n_trail),
+                                 tl.minimum(tl.maximum(hi, 0), n_trail), tl.maximum(n_tiles - i_b, 1),
+                                 t_lo + i_b * BLOCK_M, t_hi, offs_n, offs_m, offs_d,
                                  mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                                  stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
                                  EVEN_D, True, DOT_PREC, BLOCK_M)
     else:
         # one flat loop over (query head of the group, query tile): a single software pipeline
         dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
-                                 Nc, C, W, q_offset, split * (G * n_tiles) // n_splits,
-                                 (split + 1) * (G * n_tiles) // n_splits, n_tiles, t_lo, t_hi, offs_n, offs_m, offs_d,
+                                 Nc, C, W, q_offset, lo, hi, n_tiles, t_lo, t_hi, offs_n, offs_m, offs_d,
                                  mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                                  stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
                                  EVEN_D, True, DOT_PREC, BLOCK_M)
