@@ -481,6 +481,27 @@ def test_large_16bit(backend, dtype, D, window, C, W):
         assert a is None or torch.equal(a, b), name
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D,window,C,W,splits", [(64, "block", 16, 256, 0), (128, "block", 16, 512, 3),
+                                                 (128, "sliding", 32, 256, 0), (76, "sliding", 8, 72, 2),
+                                                 (256, "block", 16, 128, 0)])
+def test_large_16bit_split_loops(bwd_backend, dtype, D, window, C, W, splits):
+    """KV_SPLIT_LOOPS on the default tiles, 16-bit tensor cores, long unmasked middle loops, summary
+    pieces (the Triton 3.6 pipeliner once miscompiled a dK/dV loop in 16-bit only); deterministic."""
+    p = random_problem(1, 4, 2, None, 1100, D, C, W, window=window, summary_bias="tensor", dtype=dtype,
+                       device=DEVICE, seed=D)
+    do, dlse = _upstream(p, D)
+    ins, b, rest = _split(p)
+    f = op._features_bwd(p["q"], p["k"], C, W, window)
+    cfg = dict(space.default_config(op.OP_BWD, "triton", f), SUM_SPLITS=splits, KV_SPLIT_LOOPS=True)
+    got = op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
+    _check(got, p, do, dlse)
+    again = op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
+    for name, x, y in zip(op.GRAD_INPUTS, got, again):
+        assert torch.equal(x, y), name
+
+
 def _cuda_ms(fn, reps=5):
     fn()
     torch.cuda.synchronize()
