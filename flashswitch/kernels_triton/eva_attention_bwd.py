@@ -17,9 +17,10 @@ Kernels, no atomics (two calls give bitwise-equal gradients):
   recomputed from lse, every tile masked per element, or with config KV_SPLIT_LOOPS in three loops
   like the forward's: only the leading and trailing tiles that see the key tile in part take the
   mask, the middle ones (rows in [last key, last(first key)] for exact keys, from first(last
-  summary) on for summaries) none (see `_kv_tile`). Keys and summaries nobody sees get zeros. Summary tiles also sum d bias, and their query walk may be cut
-  into SUM_SPLITS pieces (fp32 partial sums that `_eva_bwd_sum_splits` adds in order): an early
-  summary is seen by nearly every query, so uncut they would be a few programs far longer than the rest.
+  summary) on for summaries) none (see `_kv_tile`). Keys and summaries nobody sees get zeros.
+  Summary tiles also sum d bias, and their query walk may be cut into SUM_SPLITS pieces (fp32
+  partial sums that `_eva_bwd_sum_splits` adds in order): an early summary is seen by nearly every
+  query, so uncut they would be a few programs far longer than the rest.
 - `_eva_bwd_dq`: one program per query tile of one (batch, head), walking the forward's key blocks
   (`_tile_blocks`: summaries, then exact keys; masks only on partly visible blocks).
 
@@ -203,8 +204,10 @@ def _kv_tile(
     The query tiles are walked in one loop that masks every tile or, with SPLIT_LOOPS, in three: the
     leading tiles that see the key tile in part, the middle ones whose every row sees all of it (no
     mask), the trailing ones that see it in part (a sliding window's trailing edge, the last tile's
-    rows past the queries). The n_splits pieces cut the pairs in that order: lead, middle, trail. A branch on "tile fully visible" inside one loop, with tensor values on both sides,
-    makes Triton 3.6's software pipeliner fail (or miscompile) it: the mask is a constexpr per loop."""
+    rows past the queries). The n_splits pieces cut the pairs in that order: lead, middle, trail. A
+    branch on "tile fully visible" inside one loop, with tensor values on both sides, makes Triton
+    3.6's software pipeliner fail (or miscompile) it: the mask is a constexpr per loop. The loops count
+    from 0 (with a piece's start as their lower bound Triton 3.6 serialized the summary path's wgmma).
     b = (pid_bh // Hkv).to(tl.int64)
     hkv = (pid_bh % Hkv).to(tl.int64)
     n0 = pid_n * BLOCK_N
