@@ -122,13 +122,23 @@ def _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, h
              it_lo, it_hi, n_seg, m_first, t_hi, offs_n, offs_m, offs_d, mask_d,
              stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
              qk_scale, SUMMARY: tl.constexpr, SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr,
-             EVEN_D: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr):
+             EVEN_D: tl.constexpr, MASK: tl.constexpr, FROM_ZERO: tl.constexpr, DOT_PREC: tl.constexpr,
+             BLOCK_M: tl.constexpr):
     """Add to dk, dv (and dbias) the (query head, query tile) pairs it in [it_lo, it_hi) of a run of n_seg
     query tiles from position m_first: head hkv * G + it // n_seg, tile m_first + (it % n_seg) * BLOCK_M.
     MASK: each element takes its visibility (rows past t_hi are no queries). Without MASK every row of
-    every tile is a query that sees every key of the key tile: no compares, no `where`."""
-    for j in range(0, it_hi - it_lo):
-        it = it_lo + j
+    every tile is a query that sees every key of the key tile: no compares, no `where`. FROM_ZERO: the
+    loop counts from 0 (the split loops: from it_lo, Triton 3.6 serialized the summary path's wgmma)."""
+    if FROM_ZERO:
+        j_lo = 0
+        j_hi = it_hi - it_lo
+        base = it_lo
+    else:
+        j_lo = it_lo
+        j_hi = it_hi
+        base = 0
+    for j in range(j_lo, j_hi):
+        it = base + j
         h = hkv * G + it // n_seg
         q_base = q_ptr + b * stride_qb + h * stride_qh
         do_base = do_ptr + b * stride_dob + h * stride_doh
@@ -136,11 +146,12 @@ def _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, h
         delta_base = delta_ptr + (b * H + h) * Nq
         m0 = m_first + (it % n_seg) * BLOCK_M
         t_row = m0 + offs_m
+        if MASK:
+            row_ok = t_row <= t_hi
         i_row = (t_row - q_offset).to(tl.int64)
         q_ptrs = q_base + i_row[:, None] * stride_qm + offs_d[None, :]
         do_ptrs = do_base + i_row[:, None] * stride_dom + offs_d[None, :]
         if MASK:
-            row_ok = t_row <= t_hi
             lmask = row_ok[:, None] & mask_d[None, :]
             q = tl.load(q_ptrs, mask=lmask, other=0.0)
             do = tl.load(do_ptrs, mask=lmask, other=0.0)
@@ -206,8 +217,7 @@ def _kv_tile(
     mask), the trailing ones that see it in part (a sliding window's trailing edge, the last tile's
     rows past the queries). The n_splits pieces cut the pairs in that order: lead, middle, trail. A
     branch on "tile fully visible" inside one loop, with tensor values on both sides, makes Triton
-    3.6's software pipeliner fail (or miscompile) it: the mask is a constexpr per loop. The loops count
-    from 0 (with a piece's start as their lower bound Triton 3.6 serialized the summary path's wgmma).
+    3.6's software pipeliner fail (or miscompile) it: the mask is a constexpr per loop."""
     b = (pid_bh // Hkv).to(tl.int64)
     hkv = (pid_bh % Hkv).to(tl.int64)
     n0 = pid_n * BLOCK_N
@@ -249,7 +259,7 @@ def _kv_tile(
                                  tl.maximum(i_a, 1), t_lo, t_hi, offs_n, offs_m, offs_d, mask_d,
                                  stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                                  stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
-                                 EVEN_D, True, DOT_PREC, BLOCK_M)
+                                 EVEN_D, True, True, DOT_PREC, BLOCK_M)
         lo -= n_lead
         hi -= n_lead
         dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
@@ -258,7 +268,7 @@ def _kv_tile(
                                  t_lo + i_a * BLOCK_M, t_hi, offs_n, offs_m, offs_d,
                                  mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                                  stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
-                                 EVEN_D, False, DOT_PREC, BLOCK_M)
+                                 EVEN_D, False, True, DOT_PREC, BLOCK_M)
         lo -= n_mid
         hi -= n_mid
         dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
@@ -267,14 +277,14 @@ def _kv_tile(
                                  t_lo + i_b * BLOCK_M, t_hi, offs_n, offs_m, offs_d,
                                  mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                                  stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
-                                 EVEN_D, True, DOT_PREC, BLOCK_M)
+                                 EVEN_D, True, True, DOT_PREC, BLOCK_M)
     else:
         # one flat loop over (query head of the group, query tile): a single software pipeline
         dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
                                  Nc, C, W, q_offset, lo, hi, n_tiles, t_lo, t_hi, offs_n, offs_m, offs_d,
                                  mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                                  stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
-                                 EVEN_D, True, DOT_PREC, BLOCK_M)
+                                 EVEN_D, True, False, DOT_PREC, BLOCK_M)
 
     nmask = (offs_n < N)[:, None] & mask_d[None, :]
     dk_ptrs = dk_ptr + b * stride_dkb + hkv * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :]
