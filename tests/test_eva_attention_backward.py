@@ -7,12 +7,16 @@ A gradient must be within 2x the error of the torch reference's gradient in the 
 the reference, opcheck of both custom ops, bitwise determinism, the gradient through lse, rows no
 query sees (NaN there must not reach a gradient), explicit configs, torch.compile and CUDA graphs.
 """
+import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import DEVICE, dtypes_here, kernel_backends
 from flashswitch.autotune import space
+from flashswitch.kernels_triton.eva_attention_bwd import _kv_walk_range
 from flashswitch.ops import eva_attention as op
 from flashswitch.ops.eva_attention import eva_attention
 from flashswitch.reference.eva_attention import random_problem, torch_eva_attention
@@ -128,16 +132,19 @@ def test_reference_backend_gradients(case):
 
 @pytest.mark.parametrize("window", ["block", "sliding"])
 @pytest.mark.parametrize("C,W,bias", [(4, 32, None), (3, 9, "log_count"), (2, 30, "tensor")])
-@pytest.mark.parametrize("bm,bn,splits", [(16, 16, 1), (32, 16, 3)])
-def test_every_tile_kind(bwd_backend, window, C, W, bias, bm, bn, splits):
+@pytest.mark.parametrize("bm,bn,splits,split_loops", [(16, 16, 1, False), (32, 16, 3, False), (16, 16, 1, True),
+                                                      (32, 16, 3, True), (16, 32, 2, True)])
+def test_every_tile_kind(bwd_backend, window, C, W, bias, bm, bn, splits, split_loops):
     """Small tiles on a long problem: query tiles that see a key / summary tile fully and partly (window
     and chunk edges at every offset within a tile), summaries seen by every later query, GQA, q_offset
-    not tile aligned, keys before the first query."""
+    not tile aligned, keys before the first query. KV_SPLIT_LOOPS: the dK/dV walk's leading, unmasked
+    middle and trailing loops, each cut into the summary pieces."""
     p = random_problem(1, 4, 2, 50, 110, 16, C, W, window=window, summary_bias=bias, q_offset=46,
                        device=DEVICE, seed=5)
     do, dlse = _upstream(p, 1)
     ins, b, rest = _split(p)
-    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits)
+    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits,
+               KV_SPLIT_LOOPS=split_loops)
     got = op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
     assert len(got) == len(op.GRAD_INPUTS)
     _check(got, p, do, dlse)
@@ -146,19 +153,88 @@ def test_every_tile_kind(bwd_backend, window, C, W, bias, bm, bn, splits):
 @with_fixture
 @given(C=st.integers(1, 5), m=st.integers(1, 16), window=st.sampled_from(["block", "sliding"]),
        Nk=st.integers(1, 110), data=st.data(), bm=st.sampled_from([16, 32]), bn=st.sampled_from([16, 32]),
-       splits=st.sampled_from([0, 1, 2, 5]))
-def test_small_tiles_match_reference(bwd_backend, C, m, window, Nk, data, bm, bn, splits):
+       splits=st.sampled_from([0, 1, 2, 5]), split_loops=st.booleans())
+def test_small_tiles_match_reference(bwd_backend, C, m, window, Nk, data, bm, bn, splits, split_loops):
     """16 / 32-row tiles at random query offsets and window / chunk sizes: the boundaries between fully
     and partly visible tiles fall at every offset within a tile. Summary tiles cut into 1-5 pieces
-    (0: automatic), more pieces than query tiles included."""
+    (0: automatic), more pieces than query tiles included; the dK/dV walk in one loop or three."""
     Nq = data.draw(st.integers(1, Nk))
     q_offset = data.draw(st.integers(0, Nk - Nq))
     p = random_problem(1, 2, 1, Nq, Nk, 16, C, C * m, window=window, summary_bias="tensor", q_offset=q_offset,
                        device=DEVICE, seed=Nk)
     do, dlse = _upstream(p, Nq)
     ins, b, rest = _split(p)
-    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits)
+    cfg = dict(SMALL, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M_DQ=bn, BLOCK_N_DQ=bm, SUM_SPLITS=splits,
+               KV_SPLIT_LOOPS=split_loops)
     _check(op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b), p, do, dlse)
+
+
+@triton.jit
+def _probe_walk_range(cases_ptr, out_ptr, n_cases, SUMMARY: tl.constexpr, SLIDING: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    """`_kv_walk_range` of n_cases key tiles at once: cases rows (n0, N, Nq, C, W, q_offset), int32."""
+    i = tl.arange(0, BLOCK)
+    ok = i < n_cases
+    n0 = tl.load(cases_ptr + i * 6, mask=ok, other=0)
+    N = tl.load(cases_ptr + i * 6 + 1, mask=ok, other=1)
+    Nq = tl.load(cases_ptr + i * 6 + 2, mask=ok, other=1)
+    C = tl.load(cases_ptr + i * 6 + 3, mask=ok, other=1)
+    W = tl.load(cases_ptr + i * 6 + 4, mask=ok, other=1)
+    q_offset = tl.load(cases_ptr + i * 6 + 5, mask=ok, other=0)
+    t_lo, t_hi, n_tiles, i_a, i_b = _kv_walk_range(n0, N, Nq, C, W, q_offset, SUMMARY, SLIDING, BLOCK_M, BLOCK_N)
+    tl.store(out_ptr + i * 5, t_lo, mask=ok)
+    tl.store(out_ptr + i * 5 + 1, t_hi, mask=ok)
+    tl.store(out_ptr + i * 5 + 2, n_tiles, mask=ok)
+    tl.store(out_ptr + i * 5 + 3, i_a, mask=ok)
+    tl.store(out_ptr + i * 5 + 4, i_b, mask=ok)
+
+
+def _walk_range_cases(summary, rng, problems=600):
+    """Key tiles (n0, N, Nq, C, W, q_offset) of random small problems: C in 1..6 (1 often: its windows
+    end at every position), W / C in 1..48, prefill and later queries, summary counts other than
+    ceil(Nk / C); every tile n0 < N at BLOCK_N 16 (n0 % 32 == 0 also serves BLOCK_N 32)."""
+    cases = []
+    for _ in range(problems):
+        C = int(rng.choice([1, 1, 1, 2, 3, 4, 5, 6]))
+        W = C * int(rng.integers(1, 49))
+        Nk = int(rng.integers(1, 160))
+        Nq = int(rng.integers(1, Nk + 1))
+        q_offset = int(rng.integers(0, Nk - Nq + 1))
+        N = int(rng.integers(1, -(-Nk // C) + 4)) if summary else Nk
+        cases += [(n0, N, Nq, C, W, q_offset) for n0 in range(0, N, 16)]
+    return np.array(cases, dtype=np.int32)
+
+
+@pytest.mark.parametrize("window", ["block", "sliding"])
+@pytest.mark.parametrize("summary", [False, True])
+def test_kv_walk_range_is_exact(window, summary):
+    """The dK/dV kernel's query walk of a key tile (`_kv_walk_range`) against SPEC.md's visibility rule,
+    brute force: [t_lo, t_hi] is exactly the set of queries that see some key of the tile, and the tiles
+    [i_a, i_b) (KV_SPLIT_LOOPS walks them unmasked) exactly those whose every row sees every key below N."""
+    from flashswitch.reference.eva_attention import start_positions
+    rng = np.random.default_rng(7 + 2 * summary + (window == "sliding"))
+    all_cases = _walk_range_cases(summary, rng)
+    for bm, bn in ((16, 16), (32, 16), (16, 32), (64, 32)):
+        cases = all_cases[all_cases[:, 0] % bn == 0]
+        out = torch.full((len(cases), 5), -99, dtype=torch.int32, device=DEVICE)
+        _probe_walk_range[(1,)](torch.from_numpy(cases).to(DEVICE), out, len(cases), SUMMARY=summary,
+                                SLIDING=window == "sliding", BLOCK_M=bm, BLOCK_N=bn,
+                                BLOCK=triton.next_power_of_2(len(cases)))
+        for (n0, N, Nq, C, W, q_offset), (t_lo, t_hi, n_tiles, i_a, i_b) in zip(cases, out.cpu().numpy()):
+            keys = np.arange(n0, min(n0 + bn, N))
+            t = np.arange(q_offset, q_offset + Nq + bm)[:, None]            # queries, then rows past them
+            st = start_positions(t, chunk_size=int(C), window_size=int(W), window=window)
+            vis = (keys < np.minimum(st // C, N)) if summary else ((keys >= st) & (keys <= t))
+            vis &= t < q_offset + Nq
+            seen = np.flatnonzero(vis.any(axis=1)) + q_offset
+            where = f"n0={n0} N={N} Nq={Nq} C={C} W={W} q_offset={q_offset} BLOCK_M={bm} BLOCK_N={bn}"
+            if len(seen) == 0:
+                assert n_tiles == 0, where
+                continue
+            assert (t_lo, t_hi) == (seen[0], seen[-1]) and len(seen) == t_hi - t_lo + 1, where
+            assert n_tiles == -(-(t_hi - t_lo + 1) // bm) and 0 <= i_a <= i_b <= n_tiles, where
+            full = [i for i in range(n_tiles) if vis[t_lo - q_offset + i * bm:][:bm].all()]
+            assert full == list(range(i_a, i_b)), (where, full, i_a, i_b)
 
 
 @pytest.mark.parametrize("window,C,W,Nk", [("block", 1, 1, 40), ("block", 4, 4, 37), ("sliding", 4, 4, 37),
@@ -232,9 +308,14 @@ def test_incomplete_config_is_an_error(backend):
 # ---------------------------------------------------------------- what no query sees
 @pytest.mark.parametrize("window", ["block", "sliding"])
 @pytest.mark.parametrize("G,Nq,q_offset", [(1, 1, 40), (2, 3, 25), (2, 7, 0)])
-def test_unseen_rows_get_zero_gradient(backend, window, G, Nq, q_offset):
+@pytest.mark.parametrize("split_loops", [False, True])
+def test_unseen_rows_get_zero_gradient(backend, window, G, Nq, q_offset, split_loops):
     """k/v rows past the last query and before the first query's window, and summaries past the last
-    visible one (more of them than ceil(Nk / C)) hold NaN: every gradient stays finite, and theirs are 0."""
+    visible one (more of them than ceil(Nk / C)) hold NaN: every gradient stays finite, and theirs are 0.
+    split_loops: the backward with KV_SPLIT_LOOPS (small tiles, summary pieces), whose unmasked loop
+    must never take such a row."""
+    if split_loops and backend != "triton":
+        pytest.skip("the backward kernels are the triton backend's")
     Nk, C, W = 60, 2, 8
     p = random_problem(1, 2 * G, 2, Nq, Nk, 16, C, W, window=window, summary_bias="tensor", q_offset=q_offset,
                        device=DEVICE, seed=G)
@@ -254,7 +335,12 @@ def test_unseen_rows_get_zero_gradient(backend, window, G, Nq, q_offset):
     for name in ("k_sum", "v_sum"):
         p[name][:, :, n_sum:] = float("nan")
     do, dlse = _upstream(p, 4)
-    got = _grads(_kernel(backend), p, do, dlse)
+    if split_loops:
+        ins, b, rest = _split(p)
+        cfg = dict(SMALL, SUM_SPLITS=2, KV_SPLIT_LOOPS=True)
+        got = op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
+    else:
+        got = _grads(_kernel(backend), p, do, dlse)
     for name, g in zip(op.GRAD_INPUTS, got):
         assert torch.isfinite(g).all(), name
     for i, name in enumerate(("k", "v")):
@@ -294,12 +380,13 @@ def test_bias_dtype_gradient(backend):
     _check(got, p, do, None)
 
 
-def test_deterministic(backend):
+@pytest.mark.parametrize("split_loops", [False, True])
+def test_deterministic(backend, split_loops):
     """Two backward calls give bitwise-equal gradients."""
     p = random_problem(1, 4, 2, None, 50, 16, 2, 16, window="sliding", summary_bias="tensor", device=DEVICE, seed=7)
     do, dlse = _upstream(p, 7)
     ins, b, rest = _split(p)
-    cfg = dict(SMALL, SUM_SPLITS=3)
+    cfg = dict(SMALL, SUM_SPLITS=3, KV_SPLIT_LOOPS=split_loops)
     a = op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
     c = op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
     for name, x, y in zip(op.GRAD_INPUTS, a, c):
@@ -392,6 +479,27 @@ def test_large_16bit(backend, dtype, D, window, C, W):
     again = _grads(_kernel(backend), p, do, dlse)
     for name, a, b in zip(op.GRAD_INPUTS, got, again):
         assert a is None or torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D,window,C,W,splits", [(64, "block", 16, 256, 0), (128, "block", 16, 512, 3),
+                                                 (128, "sliding", 32, 256, 0), (76, "sliding", 8, 72, 2),
+                                                 (256, "block", 16, 128, 0)])
+def test_large_16bit_split_loops(bwd_backend, dtype, D, window, C, W, splits):
+    """KV_SPLIT_LOOPS on the default tiles, 16-bit tensor cores, long unmasked middle loops, summary
+    pieces (the Triton 3.6 pipeliner once miscompiled a dK/dV loop in 16-bit only); deterministic."""
+    p = random_problem(1, 4, 2, None, 1100, D, C, W, window=window, summary_bias="tensor", dtype=dtype,
+                       device=DEVICE, seed=D)
+    do, dlse = _upstream(p, D)
+    ins, b, rest = _split(p)
+    f = op._features_bwd(p["q"], p["k"], C, W, window)
+    cfg = dict(space.default_config(op.OP_BWD, "triton", f), SUM_SPLITS=splits, KV_SPLIT_LOOPS=True)
+    got = op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
+    _check(got, p, do, dlse)
+    again = op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
+    for name, x, y in zip(op.GRAD_INPUTS, got, again):
+        assert torch.equal(x, y), name
 
 
 def _graph_ms(step, reps=5):

@@ -322,10 +322,19 @@ def _eva_bwd_triton_space(f: dict) -> list[dict]:
             continue
         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s,
                     "BLOCK_M_DQ": bm2, "BLOCK_N_DQ": bn2, "num_warps_dq": w2, "num_stages_dq": s})
+    default = _eva_bwd_triton_default(f)
     if not fp32 and not decode:
         # pieces per summary tile (the early summaries are seen by nearly every query: few long programs
         # unless cut; absent = automatic), on the default tiles
-        out += [{**_eva_bwd_triton_default(f), "SUM_SPLITS": sp} for sp in (1, 2, 4, 8)]
+        out += [{**default, "SUM_SPLITS": sp} for sp in (1, 2, 4, 8)]
+    # the dK/dV kernel's query walk in three loops (masked lead, unmasked middle, masked trail) on each
+    # dK/dV tile with the default dQ tiles, and with pieces per summary tile on the default tiles
+    dq_default = {key: default[key] for key in ("BLOCK_M_DQ", "BLOCK_N_DQ", "num_warps_dq", "num_stages_dq")}
+    split = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, **dq_default, "KV_SPLIT_LOOPS": True}
+             for (bm, bn, w), s in itertools.product(kv, stages) if _eva_bwd_fits(f, bm, bn, w, s)]
+    out += [{**default, "KV_SPLIT_LOOPS": True}] + split
+    if not fp32 and not decode:
+        out += [{**default, "SUM_SPLITS": sp, "KV_SPLIT_LOOPS": True} for sp in (2, 4)]
     uniq = []
     for c in out:
         if c not in uniq:

@@ -14,10 +14,13 @@ Kernels, no atomics (two calls give bitwise-equal gradients):
   that see some key of the tile, in one flat loop: exact key j is seen by positions [j, last(j)]
   (last(j) = W floor(j / W) + W - 1 block, C floor(j / C) + C + W - 2 sliding); summary c by every
   position from first(c) on (W ceil((c + 1) C / W) block, (c + 1) C + W - 1 sliding). P is
-  recomputed from lse, every tile masked per element (see the loop). Keys and
-  summaries nobody sees get zeros. Summary tiles also sum d bias, and their query walk may be cut
-  into SUM_SPLITS pieces (fp32 partial sums that `_eva_bwd_sum_splits` adds in order): an early
-  summary is seen by nearly every query, so uncut they would be a few programs far longer than the rest.
+  recomputed from lse, every tile masked per element, or with config KV_SPLIT_LOOPS in three loops
+  like the forward's: only the leading and trailing tiles that see the key tile in part take the
+  mask, the middle ones (rows in [last key, last(first key)] for exact keys, from first(last
+  summary) on for summaries) none (see `_kv_tile`). Keys and summaries nobody sees get zeros.
+  Summary tiles also sum d bias, and their query walk may be cut into SUM_SPLITS pieces (fp32
+  partial sums that `_eva_bwd_sum_splits` adds in order): an early summary is seen by nearly every
+  query, so uncut they would be a few programs far longer than the rest.
 - `_eva_bwd_dq`: one program per query tile of one (batch, head), walking the forward's key blocks
   (`_tile_blocks`: summaries, then exact keys; masks only on partly visible blocks).
 
@@ -88,6 +91,106 @@ def _last_seer(j, C, W, SLIDING: tl.constexpr):
 
 
 @triton.jit
+def _kv_walk_range(n0, N, Nq, C, W, q_offset, SUMMARY: tl.constexpr, SLIDING: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The query walk of the key tile [n0, n0 + BLOCK_N) of N keys (exact keys, or summaries), n0 < N:
+    (t_lo, t_hi, n_tiles, i_a, i_b). Positions [t_lo, t_hi] are the queries that see some key of the tile,
+    walked in n_tiles tiles of BLOCK_M from t_lo; every row of tiles [i_a, i_b) is a query that sees every
+    key of the tile below N, the others see it in part. Rows past N may count as seen: they are zeros
+    (k, v and bias read masked) whose gradients are never stored, and one row's terms reach no other row's.
+    Elementwise on tensors too (the tests check it against the visibility rule of SPEC.md)."""
+    t_last = q_offset + Nq - 1
+    n_end = tl.minimum(n0 + BLOCK_N - 1, N - 1)
+    if SUMMARY:
+        t_lo = tl.maximum(_first_seer(n0, C, W, SLIDING), q_offset)
+        t_hi = t_last
+        full_lo = _first_seer(n_end, C, W, SLIDING)                         # sees summaries <= n_end
+        full_hi = t_hi
+    else:
+        t_lo = tl.maximum(n0, q_offset)
+        t_hi = tl.minimum(_last_seer(n_end, C, W, SLIDING), t_last)
+        full_lo = n_end                                                     # causal: t >= every key
+        full_hi = tl.minimum(_last_seer(n0, C, W, SLIDING), t_hi)           # start(t) <= n0
+    n_tiles = tl.cdiv(tl.maximum(t_hi - t_lo + 1, 0), BLOCK_M)
+    i_a = tl.minimum(tl.cdiv(tl.maximum(full_lo - t_lo, 0), BLOCK_M), n_tiles)
+    i_b = tl.maximum(tl.maximum(full_hi - t_lo + 1, 0) // BLOCK_M, i_a)
+    return t_lo, t_hi, n_tiles, i_a, i_b
+
+
+@triton.jit
+def _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq, Nc, C, W, q_offset,
+             it_lo, it_hi, n_seg, m_first, t_hi, offs_n, offs_m, offs_d, mask_d,
+             stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
+             qk_scale, SUMMARY: tl.constexpr, SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr,
+             EVEN_D: tl.constexpr, MASK: tl.constexpr, FROM_ZERO: tl.constexpr, DOT_PREC: tl.constexpr,
+             BLOCK_M: tl.constexpr):
+    """Add to dk, dv (and dbias) the (query head, query tile) pairs it in [it_lo, it_hi) of a run of n_seg
+    query tiles from position m_first: head hkv * G + it // n_seg, tile m_first + (it % n_seg) * BLOCK_M.
+    MASK: each element takes its visibility (rows past t_hi are no queries). Without MASK every row of
+    every tile is a query that sees every key of the key tile: no compares, no `where`. FROM_ZERO: the
+    loop counts from 0 (the split loops: from it_lo, Triton 3.6 serialized the summary path's wgmma)."""
+    if FROM_ZERO:
+        j_lo = 0
+        j_hi = it_hi - it_lo
+        base = it_lo
+    else:
+        j_lo = it_lo
+        j_hi = it_hi
+        base = 0
+    for j in range(j_lo, j_hi):
+        it = base + j
+        h = hkv * G + it // n_seg
+        q_base = q_ptr + b * stride_qb + h * stride_qh
+        do_base = do_ptr + b * stride_dob + h * stride_doh
+        lse_base = lse_ptr + b * stride_lb + h * stride_lh
+        delta_base = delta_ptr + (b * H + h) * Nq
+        m0 = m_first + (it % n_seg) * BLOCK_M
+        t_row = m0 + offs_m
+        if MASK:
+            row_ok = t_row <= t_hi
+        i_row = (t_row - q_offset).to(tl.int64)
+        q_ptrs = q_base + i_row[:, None] * stride_qm + offs_d[None, :]
+        do_ptrs = do_base + i_row[:, None] * stride_dom + offs_d[None, :]
+        if MASK:
+            lmask = row_ok[:, None] & mask_d[None, :]
+            q = tl.load(q_ptrs, mask=lmask, other=0.0)
+            do = tl.load(do_ptrs, mask=lmask, other=0.0)
+            lse2 = tl.load(lse_base + i_row * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_base + i_row, mask=row_ok, other=0.0)
+        else:
+            if EVEN_D:
+                q = tl.load(q_ptrs)
+                do = tl.load(do_ptrs)
+            else:
+                q = tl.load(q_ptrs, mask=mask_d[None, :], other=0.0)
+                do = tl.load(do_ptrs, mask=mask_d[None, :], other=0.0)
+            lse2 = tl.load(lse_base + i_row * stride_lm) * 1.4426950408889634
+            delta = tl.load(delta_base + i_row)
+
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale   # [BLOCK_N, BLOCK_M], base 2
+        if SUMMARY and BIAS_MODE != 0:
+            sT += bias2[:, None]
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        if MASK:
+            if SUMMARY:
+                sc_row = tl.minimum(_start(t_row, C, W, SLIDING) // C, Nc)
+                vis = (offs_n[:, None] < sc_row[None, :]) & row_ok[None, :]
+            else:
+                st_row = _start(t_row, C, W, SLIDING)
+                vis = (offs_n[:, None] >= st_row[None, :]) & (offs_n[:, None] <= t_row[None, :]) & row_ok[None, :]
+            pT = tl.exp2(tl.where(vis, sT, float("-inf")) - lse2[None, :])
+            dsT = tl.where(vis, pT * (dpT - delta[None, :]), 0.0)
+        else:
+            pT = tl.exp2(sT - lse2[None, :])
+            dsT = pT * (dpT - delta[None, :])
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        if SUMMARY and BIAS_MODE == 1:
+            dbias += tl.sum(dsT, axis=1)
+    return dk, dv, dbias
+
+
+@triton.jit
 def _kv_tile(
     pid_n, pid_bh, split, n_splits, q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     dbias_ptr, H, Hkv, G, Nq, Nk, Nc, N, D: tl.constexpr, C, W, q_offset,
@@ -101,12 +204,20 @@ def _kv_tile(
     stride_dvb, stride_dvh, stride_dvn,
     qk_scale, scale,
     SUMMARY: tl.constexpr, SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_LOOPS: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """dK, dV of key tile pid_n of N keys (exact keys, or with SUMMARY the summaries: k_ptr/v_ptr are then
     k_sum/v_sum and N = Nc) of (batch, kv head) pid_bh; with SUMMARY and a tensor bias also d bias. The
     (query head, query tile) pairs that see the tile are cut into n_splits pieces; this one sums piece
-    `split` (its caller points the gradients at that piece's partial sums)."""
+    `split` (its caller points the gradients at that piece's partial sums).
+
+    The query tiles are walked in one loop that masks every tile or, with SPLIT_LOOPS, in three: the
+    leading tiles that see the key tile in part, the middle ones whose every row sees all of it (no
+    mask), the trailing ones that see it in part (a sliding window's trailing edge, the last tile's
+    rows past the queries). The n_splits pieces cut the pairs in that order: lead, middle, trail. A
+    branch on "tile fully visible" inside one loop, with tensor values on both sides, makes Triton
+    3.6's software pipeliner fail (or miscompile) it: the mask is a constexpr per loop."""
     b = (pid_bh // Hkv).to(tl.int64)
     hkv = (pid_bh % Hkv).to(tl.int64)
     n0 = pid_n * BLOCK_N
@@ -114,18 +225,14 @@ def _kv_tile(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    t_last = q_offset + Nq - 1
 
     # the k, v rows of the tile (rows past N read as zeros)
     k_ptrs = k_ptr + b * stride_kb + hkv * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = v_ptr + b * stride_vb + hkv * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :]
     k, v = _load_kv(k_ptrs, v_ptrs, offs_n, N, mask_d, EVEN_D)
 
-    # the positions that see some key of the tile: [t_lo, t_hi]
-    n_last = n0 + BLOCK_N - 1
+    bias2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     if SUMMARY:
-        t_lo = tl.maximum(_first_seer(n0, C, W, SLIDING), q_offset)
-        t_hi = t_last
         if BIAS_MODE == 1:
             bias = tl.load(bias_ptr + b * stride_bb + hkv * stride_bh + offs_n.to(tl.int64) * stride_bc,
                            mask=offs_n < N, other=0.0).to(tl.float32)
@@ -133,49 +240,51 @@ def _kv_tile(
         elif BIAS_MODE == 2:
             count = tl.minimum(C, Nk - offs_n * C).to(tl.float32)            # tokens of chunk n
             bias2 = tl.log2(tl.maximum(count, 1.0))
-    else:
-        t_lo = tl.maximum(n0, q_offset)
-        t_hi = tl.minimum(_last_seer(tl.minimum(n_last, N - 1), C, W, SLIDING), t_last)
-    n_tiles = tl.cdiv(tl.maximum(t_hi - t_lo + 1, 0), BLOCK_M)
+    t_lo, t_hi, n_tiles, i_a, i_b = _kv_walk_range(n0, N, Nq, C, W, q_offset, SUMMARY, SLIDING, BLOCK_M, BLOCK_N)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dbias = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # one flat loop over (query head of the group, query tile): a single software pipeline
-    for it in range(split * (G * n_tiles) // n_splits, (split + 1) * (G * n_tiles) // n_splits):
-        h = hkv * G + it // n_tiles
-        q_base = q_ptr + b * stride_qb + h * stride_qh
-        do_base = do_ptr + b * stride_dob + h * stride_doh
-        lse_base = lse_ptr + b * stride_lb + h * stride_lh
-        delta_base = delta_ptr + (b * H + h) * Nq
-        m0 = t_lo + (it % n_tiles) * BLOCK_M
-        t_row = m0 + offs_m
-        row_ok = t_row <= t_hi
-        i_row = (t_row - q_offset).to(tl.int64)
-        lmask = row_ok[:, None] & mask_d[None, :]
-        q = tl.load(q_base + i_row[:, None] * stride_qm + offs_d[None, :], mask=lmask, other=0.0)
-        do = tl.load(do_base + i_row[:, None] * stride_dom + offs_d[None, :], mask=lmask, other=0.0)
-        lse2 = tl.load(lse_base + i_row * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(delta_base + i_row, mask=row_ok, other=0.0)
-
-        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale   # [BLOCK_N, BLOCK_M], base 2
-        if SUMMARY and BIAS_MODE != 0:
-            sT += bias2[:, None]
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        # every tile takes the per-element mask: a branch on a tile being fully visible, with tensor
-        # values on both sides, makes Triton 3.6's software pipeliner fail (or miscompile) this loop
-        if SUMMARY:
-            sc_row = tl.minimum(_start(t_row, C, W, SLIDING) // C, Nc)
-            vis = (offs_n[:, None] < sc_row[None, :]) & row_ok[None, :]
-        else:
-            st_row = _start(t_row, C, W, SLIDING)
-            vis = (offs_n[:, None] >= st_row[None, :]) & (offs_n[:, None] <= t_row[None, :]) & row_ok[None, :]
-        pT = tl.exp2(tl.where(vis, sT, float("-inf")) - lse2[None, :])
-        dsT = tl.where(vis, pT * (dpT - delta[None, :]), 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
-        if SUMMARY and BIAS_MODE == 1:
-            dbias += tl.sum(dsT, axis=1)
+    # this piece's share [lo, hi) of the (query head, query tile) pairs, in one fixed order
+    lo = split * (G * n_tiles) // n_splits
+    hi = (split + 1) * (G * n_tiles) // n_splits
+    if SPLIT_LOOPS:
+        # the pairs ordered as the leading tiles of every head, the middle ones, the trailing ones; each
+        # loop takes the part of [lo, hi) that falls in its run
+        n_lead = G * i_a
+        n_mid = G * (i_b - i_a)
+        n_trail = G * (n_tiles - i_b)
+        dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
+                                 Nc, C, W, q_offset, tl.minimum(lo, n_lead), tl.minimum(hi, n_lead),
+                                 tl.maximum(i_a, 1), t_lo, t_hi, offs_n, offs_m, offs_d, mask_d,
+                                 stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                                 stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
+                                 EVEN_D, True, True, DOT_PREC, BLOCK_M)
+        lo -= n_lead
+        hi -= n_lead
+        dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
+                                 Nc, C, W, q_offset, tl.minimum(tl.maximum(lo, 0), n_mid),
+                                 tl.minimum(tl.maximum(hi, 0), n_mid), tl.maximum(i_b - i_a, 1),
+                                 t_lo + i_a * BLOCK_M, t_hi, offs_n, offs_m, offs_d,
+                                 mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                                 stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
+                                 EVEN_D, False, True, DOT_PREC, BLOCK_M)
+        lo -= n_mid
+        hi -= n_mid
+        dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
+                                 Nc, C, W, q_offset, tl.minimum(tl.maximum(lo, 0), n_trail),
+                                 tl.minimum(tl.maximum(hi, 0), n_trail), tl.maximum(n_tiles - i_b, 1),
+                                 t_lo + i_b * BLOCK_M, t_hi, offs_n, offs_m, offs_d,
+                                 mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                                 stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
+                                 EVEN_D, True, True, DOT_PREC, BLOCK_M)
+    else:
+        # one flat loop over (query head of the group, query tile): a single software pipeline
+        dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
+                                 Nc, C, W, q_offset, lo, hi, n_tiles, t_lo, t_hi, offs_n, offs_m, offs_d,
+                                 mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                                 stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
+                                 EVEN_D, True, False, DOT_PREC, BLOCK_M)
 
     nmask = (offs_n < N)[:, None] & mask_d[None, :]
     dk_ptrs = dk_ptr + b * stride_dkb + hkv * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :]
@@ -204,7 +313,7 @@ def _eva_bwd_kv(
     stride_dvsb, stride_dvsh, stride_dvsn,
     stride_dkss, stride_dvss, stride_dbs,
     qk_scale, scale,
-    SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
+    SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One launch for summary tiles then exact-key tiles. Summary tile c0 is seen by every query from
@@ -226,7 +335,8 @@ def _eva_bwd_kv(
                  stride_vsb, stride_vsh, stride_vsn, stride_bb, stride_bh, stride_bc,
                  stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
                  stride_dksb, stride_dksh, stride_dksn, stride_dvsb, stride_dvsh, stride_dvsn,
-                 qk_scale, scale, True, SLIDING, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_D)
+                 qk_scale, scale, True, SLIDING, BIAS_MODE, EVEN_D, SPLIT_LOOPS, DOT_PREC, BLOCK_M, BLOCK_N,
+                 BLOCK_D)
     else:
         # neighbouring programs: neighbouring key tiles of one head, whose query ranges overlap (L2)
         p = pid - n_sum_programs
@@ -236,7 +346,8 @@ def _eva_bwd_kv(
                  stride_vb, stride_vh, stride_vn, stride_bb, stride_bh, stride_bc,
                  stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                 qk_scale, scale, False, SLIDING, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_D)
+                 qk_scale, scale, False, SLIDING, BIAS_MODE, EVEN_D, SPLIT_LOOPS, DOT_PREC, BLOCK_M, BLOCK_N,
+                 BLOCK_D)
 
 
 @triton.jit
@@ -404,7 +515,8 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv
     strides with a unit last stride. config: BLOCK_M, BLOCK_N, num_warps, num_stages of the dK/dV
     kernel (query tiles x key tiles) and BLOCK_M_DQ, BLOCK_N_DQ, num_warps_dq, num_stages_dq of the
     dQ kernel, all required; SUM_SPLITS (pieces each summary tile's queries are cut into; 0 or absent:
-    automatic) optional.
+    automatic) and KV_SPLIT_LOOPS (the dK/dV kernel walks its query tiles in three loops, the fully
+    visible ones unmasked; default off) optional.
     """
     missing = [key for key in CONFIG_KEYS if key not in config]
     if missing:
@@ -420,6 +532,9 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv
     G = H // Hkv
     bm, bn = _block(config, "BLOCK_M"), _block(config, "BLOCK_N")
     bm_dq, bn_dq = _block(config, "BLOCK_M_DQ"), _block(config, "BLOCK_N_DQ")
+    split_loops = config.get("KV_SPLIT_LOOPS", False)
+    if not isinstance(split_loops, bool):
+        raise TypeError(f"config KV_SPLIT_LOOPS must be a bool, got {split_loops!r}")
     block_d = max(16, triton.next_power_of_2(D))
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     qk_scale = float(scale) * LOG2E
@@ -464,8 +579,8 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv
             gks.stride(-4), gks.stride(-3), gks.stride(-2), gvs.stride(-4), gvs.stride(-3), gvs.stride(-2),
             *split_strides,
             qk_scale, float(scale),
-            SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, DOT_PREC=dot_prec,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
+            SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, SPLIT_LOOPS=split_loops,
+            DOT_PREC=dot_prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
             num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
         )
     if splits > 1:
