@@ -279,7 +279,8 @@ def launch(x3, weight, gates, route, dy, dx, dweight, dgates, *, G_in, G_out, co
         pair_expert = torch.empty(T * S, dtype=torch.int32, device=x3.device)
         _pair_experts[(E,)](route.token, route.slot, route.offsets, pair_expert, S, BLOCK=256, num_warps=4)
         x_flat = x3.reshape(T * G_in, d_in)
-        w_cat = weight.permute(0, 2, 1).to(x3.dtype).reshape(E * d_out, d_in)  # [e·d_out + k, n] = W[e, n, k]
+        if want_dx or want_dg:  # W_cat[e·d_out + k, n] = W[e, n, k]
+            w_cat = weight.permute(0, 2, 1).to(x3.dtype).reshape(E * d_out, d_in)
         if want_dx or want_dw:
             z = _launch_dense_z(g, has_gates, sg, sdy, dy, pair_expert, T, S, G_in, G_out, E, d_out, x3.dtype)
             if want_dx:  # dx = Z · W_cat
