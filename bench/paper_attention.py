@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashswitch.nn._routing import compute_dtype, matmul_weight
+from flashswitch.nn._routing import compute_dtype
 from flashswitch.nn.models import DenseAttention
 from flashswitch.nn.switchhead import SwitchHeadAttention
-from flashswitch.ops.expert_matmul import expert_matmul, route
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -71,22 +70,15 @@ class PaperSwitchHeadAttention(SwitchHeadAttention):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, d = x.shape
-        T, H, E, D = B * N, self.num_heads, self.num_experts, self.head_dim
-        dt = compute_dtype(x)
-        x2 = x.reshape(T, d).to(dt)
-        ids, gates = self.select(x2)
-        v_route = route(ids[0], H * E, check=False)
-        o_route = route(ids[1], H * E, check=False)
-        v = expert_matmul(x2, v_route, matmul_weight(self.v_experts, dt), gates=gates[0], out_groups=H,
-                          backend=self.backend).view(B, N, H, D).transpose(1, 2)
+        T, H, D = B * N, self.num_heads, self.head_dim
+        v, output = self.values(x.reshape(T, d).to(compute_dtype(x)))
+        v = v.view(B, N, H, D).transpose(1, 2)
         s = D ** -0.25
         q = F.linear(x, self.qk[: H * D]) * s
         k = F.linear(x, self.qk[H * D:]) * s
         q, k = paper_rotary(self, _heads(q, H), _heads(k, H), self.n_rot, self.rope_base)
         a = paper_causal_sdpa(q, k, v, scale=1.0).transpose(1, 2).contiguous().view(T, H, D)
-        y = expert_matmul(a, o_route, matmul_weight(self.o_experts, dt), gates=gates[1], out_groups=1,
-                          backend=self.backend)
-        return y.view(B, N, d)
+        return output(a).view(B, N, d)
 
 
 class PaperDenseAttention(DenseAttention):

@@ -183,23 +183,33 @@ class SwitchHeadAttention(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"x must be [B, N, {self.embed_dim}], got shape {tuple(x.shape)}")
         B, N, d = x.shape
-        T, H, E, D = B * N, self.num_heads, self.num_experts, self.head_dim
+        T, H, D = B * N, self.num_heads, self.head_dim
         dt = compute_dtype(x)
         x2 = x.reshape(T, d).to(dt)
-        ids, gates = self.select(x2)
-        v_route = route(ids[0], H * E, check=False)
-        o_route = route(ids[1], H * E, check=False)
-        v = expert_matmul(x2, v_route, matmul_weight(self.v_experts, dt), gates=gates[0], out_groups=H,
-                          backend=self.backend)  # [T, H, D]
+        v, output = self.values(x2)
         qk = F.linear(x2, self.qk.to(dt)).view(B, N, 2, H, D)
         q, k = apply_rotary(qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2), self.n_rot, self.rope_base)
         a = causal_attention(q, k, v.view(B, N, H, D).transpose(1, 2), attention=self.attention,
                              eva_chunk_size=self.eva_chunk_size, eva_window_size=self.eva_window_size,
                              eva_window=self.eva_window, backend=self.backend)
-        a = a.transpose(1, 2).reshape(T, H, D)
-        y = expert_matmul(a, o_route, matmul_weight(self.o_experts, dt), gates=gates[1], out_groups=1,
-                          backend=self.backend)  # [T, 1, d]
-        return y.view(B, N, d)
+        return output(a.transpose(1, 2).reshape(T, H, D)).view(B, N, d)
+
+    def values(self, x2: torch.Tensor):
+        """Both routings of x2 [T, d] (in the compute dtype), the value experts' output [T, H, D], and the
+        output projection: a function of the attention output [T, H, D] -> [T, 1, d]."""
+        H, E = self.num_heads, self.num_experts
+        dt = x2.dtype
+        ids, gates = self.select(x2)
+        v_route = route(ids[0], H * E, check=False)
+        o_route = route(ids[1], H * E, check=False)
+        v = expert_matmul(x2, v_route, matmul_weight(self.v_experts, dt), gates=gates[0], out_groups=H,
+                          backend=self.backend)
+
+        def output(a: torch.Tensor) -> torch.Tensor:
+            return expert_matmul(a, o_route, matmul_weight(self.o_experts, dt), gates=gates[1], out_groups=1,
+                                 backend=self.backend)
+
+        return v, output
 
     def macs_per_token(self, seq_len: int) -> float:
         """Multiply-accumulates per token: routers, dense q/k, k experts of V and O per head, and causal
