@@ -10,7 +10,7 @@ from torch import nn
 
 from flashswitch import _common as C
 from flashswitch.cache import EvaCache
-from flashswitch.nn.rotary import Rotary, apply_rotary
+from flashswitch.nn.rotary import Rotary
 from flashswitch.ops.chunk_summaries import chunk_summaries
 from flashswitch.ops.eva_attention import WINDOWS, eva_attention
 
@@ -116,11 +116,7 @@ class EvaAttention(nn.Module):
         k = self.k_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
-            steps = torch.arange(N, device=x.device)
-            # a step's tokens sit after each sequence's length, which lives on the device
-            pos = steps if cache is None or cache.empty else cache.lengths[:, None] + steps
-            cos, sin = self.rotary.cos_sin(pos)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.rotary.rotate_qk(q, k, cache)
         if cache is None:
             if lengths is not None:
                 raise ValueError("lengths goes with a cache (right-padded prompts); without one every position is real")

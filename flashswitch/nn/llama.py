@@ -25,7 +25,7 @@ from torch import nn
 
 from flashswitch import _common as C
 from flashswitch.nn.eva_attention import EvaAttention
-from flashswitch.nn.rotary import Rotary, apply_rotary
+from flashswitch.nn.rotary import Rotary
 
 ATTENTIONS = ("sdpa", "eva")
 DECODE_KERNELS = ("masked", "flash")
@@ -216,10 +216,7 @@ class SdpaAttention(nn.Module):
         q = self.q_proj(x).view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        steps = torch.arange(N, device=x.device)
-        pos = steps if cache is None or cache.empty else cache.lengths[:, None] + steps
-        cos, sin = self.rotary.cos_sin(pos)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.rotary.rotate_qk(q, k, cache)
         if cache is None:
             if lengths is not None:
                 raise ValueError("lengths goes with a cache (right-padded prompts); without one every position is real")

@@ -36,3 +36,11 @@ class Rotary(torch.nn.Module):
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos(), emb.sin()
+
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, cache=None):
+        """q, k [B, H, n, D] of n new tokens rotated at their positions: 0..n-1 without a cache or with an
+        empty one, else after each sequence's length (`cache.lengths`, on the device: no host value)."""
+        steps = torch.arange(q.shape[-2], device=q.device)
+        pos = steps if cache is None or cache.empty else cache.lengths[:, None] + steps
+        cos, sin = self.cos_sin(pos)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
