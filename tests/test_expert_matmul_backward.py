@@ -408,8 +408,8 @@ def test_paper_shapes_bf16_deterministic(backend, shape):
 @pytest.mark.parametrize("G_in,weight_dtype", [(1, None), (2, None), (1, torch.float32)])
 def test_dense_z_sums_slots_sharing_an_expert(backend, dtype, G_in, weight_dtype):
     """DENSE_Z: with 2 experts and 6 slots per token, most tokens give one expert several slots of a
-    group (their gated dy rows are summed into one Z block); fp32 weights under 16-bit x take the dW
-    kernel beside the dense dx."""
+    group (their gated dy rows are summed into one Z block); fp32 weights under 16-bit x get an fp32 dW
+    from the same dense GEMM."""
     if weight_dtype is not None and dtype == torch.float32:
         pytest.skip("master weights only apply to 16-bit x")
     p = random_problem(T=37, S=6, E=2, d_in=24, d_out=10, G_in=G_in, G_out=3, dtype=dtype, weight_dtype=weight_dtype,

@@ -18,7 +18,7 @@ With pair p = (t, s) of expert e, x_row(p) = x[t, s // (S / G_in)], dy_row(p) = 
   dx rows are what makes the scratch path write-bound (S rows of d_in per token for one dx row). Instead
   `_dense_z` sums each token's gated dy rows per expert into a dense Z [T·G_in, E·d_out] (zeros where
   the token's group did not pick the expert), and dx = Z · W_catᵀ, dW = X_flatᵀ · Z are two dense GEMMs
-  (torch.mm: fp32 accumulation, deterministic) that do G_in·E / S times the pairs' MACs at full
+  (torch.mm: fp32 accumulation, deterministic; dW in fp32 for fp32 master weights) that do G_in·E / S times the pairs' MACs at full
   tensor-core rate. d gates: U = X_flat · W_catᵀ (every expert's product of every x row, one more
   dense GEMM) and `_dense_dg` dots each pair's dy row with its expert's block of U.
 """
@@ -285,8 +285,8 @@ def launch(x3, weight, gates, route, dy, dx, dweight, dgates, *, G_in, G_out, co
             z = _launch_dense_z(g, has_gates, sg, sdy, dy, pair_expert, T, S, G_in, G_out, E, d_out, x3.dtype)
             if want_dx:  # dx = Z · W_cat
                 torch.mm(z, w_cat, out=dx.view(T * G_in, d_in))
-            if want_dw and weight.dtype == x3.dtype:  # dW[e] = X_flatᵀ · Z[:, e block]
-                dweight.copy_(torch.mm(x_flat.t(), z).view(d_in, E, d_out).permute(1, 0, 2))
+            if want_dw:  # dW[e] = X_flatᵀ · Z[:, e block], in dweight's dtype (fp32 for master weights)
+                dweight.copy_(_mm(x_flat.t(), z, dweight.dtype).view(d_in, E, d_out).permute(1, 0, 2))
                 want_dw = False
         if want_dg:  # U = X_flat · W_catᵀ holds x_row(p) · W[e] for every expert; d gate_p = dy_row(p) · U[p]
             _launch_dense_dg(torch.mm(x_flat, w_cat.t()), dy, sdy, pair_expert, dgates, T, S, G_in, G_out, d_out)
@@ -303,6 +303,19 @@ def launch(x3, weight, gates, route, dy, dx, dweight, dgates, *, G_in, G_out, co
         return
     _launch_dx(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dx if want_dx else None,
                dgates if want_dg else None, S, G_in, G_out, dot_precision, cfg)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a · b with fp32 accumulation, returned in out_dtype: 16-bit inputs with an fp32 result keep the
+    fp32 sum (no rounding through 16 bits) through cuBLAS's out_dtype form where torch has it."""
+    if out_dtype == a.dtype:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=out_dtype)
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    return torch.mm(a.to(out_dtype), b.to(out_dtype))
 
 
 def _launch_dense_z(g, has_gates, sg, sdy, dy, pair_expert, T, S, G_in, G_out, E, d_out, dtype):
