@@ -6,7 +6,8 @@
 #   STAGES=build,test,check,ceilings,autotune,bench OPS=chunk_summaries TESTS='tests/test_x.py ...' \
 #   TUNE_BUDGET=240 STAGE_LIMIT=1200 bench/run_gpu.sh   (STAGE_LIMIT: seconds per stage, unless the stage's
 #   own BUILD_LIMIT / TEST_LIMIT (per file) / TUNE_LIMIT / BENCH_LIMIT (per op) is set; the build's defaults to 300)
-# Stage suite (not in the default list): the whole suite in one pytest process, one log (test_suite.log).
+# Stage suite (not in the default list): the whole suite in one pytest process, one log (test_suite.log)
+# and each test's time as it finishes (test_times.tsv).
 # Optional stage host (bench/host_time.py: host us per call vs kernel us; HOST_ARGS=--profile); BENCH_K
 # selects bench cases (pytest -k, e.g. BENCH_K='not cupy').
 set -uo pipefail
@@ -45,7 +46,7 @@ fi
 limit() { echo "${1:-${STAGE_LIMIT:-1200}}"; }  # limit "$X_LIMIT": the stage's own limit or STAGE_LIMIT
 $PY -m flashswitch info > "$LOGS/info.log" 2>&1
 if stage suite; then  # the whole suite in one pytest run, one log (the record a GPU run is judged by)
-  STAGE_LIMIT=$(limit "${TEST_LIMIT:-}") run test_suite \
+  FLASHSWITCH_TEST_TIMES="$LOGS/test_times.tsv" STAGE_LIMIT=$(limit "${TEST_LIMIT:-}") run test_suite \
     $PY -m pytest tests -p no:cacheprovider -rfE -v --durations=30 ${PYTEST_ARGS:-}
 fi
 if stage test; then

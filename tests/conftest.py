@@ -31,6 +31,18 @@ def kernel_backends():
     return [b for b in ("triton", "cuda", "cupy") if backend_available(b, torch.device(DEVICE))]
 
 
+TIMES_ENV = "FLASHSWITCH_TEST_TIMES"  # a file: one "seconds<TAB>outcome<TAB>test id" line per finished test
+
+
+def pytest_runtest_logreport(report):
+    """Append each test's call time to $FLASHSWITCH_TEST_TIMES as it finishes, so that a run cut by
+    its time limit still tells which tests took the time (pytest's --durations prints only at the end)."""
+    path = os.environ.get(TIMES_ENV)
+    if path and not os.environ.get("PYTEST_XDIST_WORKER") and (report.when == "call" or report.failed):
+        with open(path, "a") as fh:
+            fh.write(f"{report.duration:.2f}\t{report.when}:{report.outcome}\t{report.nodeid}\n")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

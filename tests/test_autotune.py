@@ -90,6 +90,48 @@ def test_lookup_skips_configs_that_do_not_fit(cfg_dir):
     assert store.lookup("eva_attention", "triton", feats(64)) == big
 
 
+def test_backward_lookup_skips_tiles_that_do_not_fit(cfg_dir):
+    # the tuned D=128 backward (dK/dV 64 x 128 keys, 8 warps) needs twice its registers at D=256
+    def feats(D):
+        return space.features("eva_attention.bwd", dtype="bf16", D=D, C=16, W=2048, window="block", decode=False,
+                              rows=1 << 19, keys=1 << 15)
+    tuned = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2,
+             "BLOCK_M_DQ": 64, "BLOCK_N_DQ": 64, "num_warps_dq": 4, "num_stages_dq": 2}
+    ops = {"eva_attention.bwd": {store.bucket_key(feats(128)): {
+        "features": feats(128), "best": "triton", "backends": {"triton": {"config": tuned, "ms": 1.0}}}}}
+    store.save({"device": DEV, "ops": ops}, store.device_file(folder=cfg_dir))
+    assert store.lookup("eva_attention.bwd", "triton", feats(64)) == tuned
+    f = feats(256)
+    assert not space.config_fits("eva_attention.bwd", "triton", f, tuned)
+    assert store.lookup("eva_attention.bwd", "triton", f) == space.default_config("eva_attention.bwd", "triton", f)
+    # a dQ tile too big for this D alone is enough to refuse a config
+    assert not space.config_fits("eva_attention.bwd", "triton", f, {**space.default_config(
+        "eva_attention.bwd", "triton", f), "BLOCK_M_DQ": 128, "BLOCK_N_DQ": 128, "num_stages_dq": 3})
+
+
+@pytest.mark.parametrize("op", ["eva_attention", "eva_attention.bwd"])
+@pytest.mark.parametrize("D", [16, 64, 76, 128, 256])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_space_and_default_configs_fit(op, D, dtype):
+    """Every config a space offers, and the default, passes the fits check the store applies."""
+    for window, decode in (("block", False), ("sliding", False), ("block", True)):
+        f = space.features(op, dtype=dtype, D=D, C=16, W=256, window=window, decode=decode, rows=1 << 16,
+                           keys=1 << 14)
+        for cfg in [space.default_config(op, "triton", f)] + space.config_space(op, "triton", f):
+            assert space.config_fits(op, "triton", f, cfg), (f, cfg)
+
+
+def test_gluon_tiles_fit_shared_memory():
+    """The Gluon kernel's 128 x 128 tile with 2 stages needs more than 227 KB at D = 128 (q, k ring,
+    v ring plus two sanitized v tiles, compiler scratch): offered at D = 64 only."""
+    def gluon(D):
+        f = space.features("eva_attention", dtype="bf16", D=D, C=16, W=2048, window="block", decode=False,
+                           rows=1 << 19, keys=1 << 15)
+        return [(c["BLOCK_N"], c["num_stages"]) for c in space.config_space("eva_attention", "triton", f)
+                if c.get("GLUON")]
+    assert (128, 2) in gluon(64) and (128, 2) not in gluon(128) and (64, 4) in gluon(128)
+
+
 def test_missing_file_gives_defaults(cfg_dir):
     f = _feats()
     with warnings.catch_warnings():

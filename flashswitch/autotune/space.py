@@ -164,6 +164,15 @@ def _eva_triton_fits(f: dict, bm: int, bn: int, w: int, stages: int, smem_kb: in
     return smem <= smem_kb * 1024 and bm * bd <= 2048 * w and bm * bn <= 4096 * w
 
 
+def _eva_gluon_fits(f: dict, bn: int, stages: int) -> bool:
+    """The Gluon kernel's shared memory: a 128-row q tile, `stages` k tiles and stages + 2 v tiles
+    (two extra for the sanitized v of masked blocks), plus the compiler's 16 KB scratch for that
+    sanitizing step's layout conversion, within Hopper's 227 KB."""
+    bd = max(16, next_pow2(f["D"]))
+    elt = 4 if f["dtype"] == "fp32" else 2
+    return (128 * bd + (2 * stages + 2) * bn * bd) * elt + 16 * 1024 <= 227 * 1024
+
+
 def _eva_triton_config_fits(f: dict, cfg: dict) -> bool:
     """Whether a config tuned on another bucket (another D, say) still fits this one's shared memory
     and registers (the tuned buckets' tiles can need more than the hardware has at a larger D)."""
@@ -171,7 +180,9 @@ def _eva_triton_config_fits(f: dict, cfg: dict) -> bool:
         bm, bn, w, s = (int(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
     except (KeyError, TypeError, ValueError):
         return True  # a partial config: the launcher fills in the defaults
-    return _eva_triton_fits(f, bm, bn, w, s + 1 if cfg.get("GLUON") else s, smem_kb=224)  # see the gluon space
+    if cfg.get("GLUON"):
+        return _eva_gluon_fits(f, bn, s)
+    return _eva_triton_fits(f, bm, bn, w, s, smem_kb=224)
 
 
 def _eva_triton_space(f: dict) -> list[dict]:
@@ -249,11 +260,8 @@ def _eva_triton_space(f: dict) -> list[dict]:
         # (1.11 ms vs 1.18 for the Triton tile on the H200); it lost sliding W = 256 and block D = 64.
         # D >= 32: the D's its GPU tests have passed at. First, for a tuning budget
         # cut short.
-        # (s + 1: its ring of s k/v stages plus two v tiles, one per consumer warpgroup, for the
-        # sanitized v of masked blocks)
         gluon = [{"GLUON": True, "BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": s}
-                 for bn, s in ((64, 3), (64, 2), (64, 4), (128, 2))
-                 if _eva_triton_fits(f, 128, bn, 8, s + 1, smem_kb=224)]
+                 for bn, s in ((64, 3), (64, 2), (64, 4), (128, 2)) if _eva_gluon_fits(f, bn, s)]
         out = gluon + out
     return out
 
@@ -295,6 +303,26 @@ def _eva_bwd_fits(f: dict, bm: int, bn: int, w: int, stages: int, smem_kb: int =
             and (2 * bn * bd + stages * 2 * bm * bd) * elt <= smem_kb * 1024)
 
 
+def _eva_bwd_dq_fits(f: dict, bm: int, bn: int, w: int, stages: int, smem_kb: int = 224) -> bool:
+    """The dQ kernel's fp32 BLOCK_M x D accumulator within 128 values per thread and its BLOCK_M x
+    BLOCK_N logits within 64; its q, dO tiles plus `stages` k and v tiles within shared memory."""
+    bd = max(16, next_pow2(f["D"]))
+    elt = 4 if f["dtype"] == "fp32" else 2
+    return (bm * bd <= 128 * 32 * w and bm * bn <= 64 * 32 * w
+            and (2 * bm * bd + stages * 2 * bn * bd) * elt <= smem_kb * 1024)
+
+
+def _eva_bwd_config_fits(f: dict, cfg: dict) -> bool:
+    """Whether both backward kernels' tiles of a config tuned on another bucket fit this one (a D = 128
+    tile needs twice the registers and shared memory at D = 256)."""
+    try:
+        kv = [int(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")]
+        dq = [int(cfg[k]) for k in ("BLOCK_M_DQ", "BLOCK_N_DQ", "num_warps_dq", "num_stages_dq")]
+    except (KeyError, TypeError, ValueError):
+        return True  # a partial config: the launcher fills in the defaults
+    return _eva_bwd_fits(f, *kv) and _eva_bwd_dq_fits(f, *dq)
+
+
 def _eva_bwd_triton_space(f: dict) -> list[dict]:
     # Two kernels: dK/dV (a program owns BLOCK_N keys or summaries, walks BLOCK_M-query tiles) and dQ
     # (a program owns BLOCK_M_DQ queries, walks BLOCK_N_DQ-key blocks like the forward). The dK/dV
@@ -318,7 +346,7 @@ def _eva_bwd_triton_space(f: dict) -> list[dict]:
         stages = (2, 3)
     out = []
     for (bm, bn, w), s, (bm2, bn2, w2) in itertools.product(kv, stages, dq):
-        if not _eva_bwd_fits(f, bm, bn, w, s):
+        if not (_eva_bwd_fits(f, bm, bn, w, s) and _eva_bwd_dq_fits(f, bm2, bn2, w2, s)):
             continue
         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s,
                     "BLOCK_M_DQ": bm2, "BLOCK_N_DQ": bn2, "num_warps_dq": w2, "num_stages_dq": s})
@@ -618,6 +646,7 @@ DEFAULTS = {
 }
 FITS = {
     ("eva_attention", "triton"): _eva_triton_config_fits,
+    ("eva_attention.bwd", "triton"): _eva_bwd_config_fits,
 }
 
 # Shapes `flashswitch autotune` sweeps: keyword arguments of each op's bench/tune problem builder.
