@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         if upd == "route" and args.op == "expert_matmul":
             fns.append(_route_only(problem))
         elif isinstance(upd, str):
-            fns.append(importlib.import_module(f"bench_{args.op}").BUILDERS[upd](problem))
+            fns.append(importlib.import_module(f"bench_{args.op.replace('.', '_')}").BUILDERS[upd](problem))
         else:
             fns.append(spec.kernel_callable(args.backend, {**tuned, **upd}, problem))
         names.append(v)
