@@ -5,12 +5,13 @@ kernel-only time of a CUDA-graph replay. When host time > kernel time, a per-cal
 host, not the kernel. Targets at the tiny shapes: <= 40 us on the Triton backend, <= 25 us on CUDA.
 
     python bench/host_time.py [--ops chunk_summaries ...] [--backends triton cuda ...] [--calls 300]
-                              [--tiny-only] [--stub] [--fast-launch] [--profile] [--out DIR]
+                              [--tiny-only] [--stub] [--jit-launch] [--profile] [--out DIR]
 
 --stub replaces Triton's kernel launch (JITFunction.run, the interpreter's run on the CPU) by a no-op:
 the rows then show flashswitch's own Python cost. Without a GPU the Triton backend runs on CPU tensors
-under TRITON_INTERPRET=1 and --stub is implied. --fast-launch sets FLASHSWITCH_FAST_LAUNCH=1 (direct
-launches of the compiled Triton kernels, kernels_triton/kernel_call.py; no effect with --stub). Writes host_time.json and host_time.md under
+under TRITON_INTERPRET=1 and --stub is implied. --jit-launch sets FLASHSWITCH_FAST_LAUNCH=0 (every
+launch through Triton's launcher instead of the direct launches of the compiled kernels that are the
+default on CUDA, kernels_triton/kernel_call.py; no effect with --stub). Writes host_time.json and host_time.md under
 bench/results/<device>/ (or --out).
 """
 from __future__ import annotations
@@ -127,17 +128,19 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["triton", "cuda", "cupy"])
     ap.add_argument("--tiny-only", action="store_true", help="only the tiny shapes")
     ap.add_argument("--stub", action="store_true", help="Triton launches as no-ops (flashswitch's own cost)")
-    ap.add_argument("--fast-launch", action="store_true", help="FLASHSWITCH_FAST_LAUNCH=1: direct Triton launches")
+    ap.add_argument("--jit-launch", action="store_true",
+                    help="FLASHSWITCH_FAST_LAUNCH=0: every Triton launch through Triton's launcher")
     ap.add_argument("--profile", action="store_true", help="cProfile 100 calls of each row")
     ap.add_argument("--out", type=Path, default=None, help="folder for host_time.json/.md")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
     stub = args.stub or not gpu
-    if args.fast_launch:
-        os.environ["FLASHSWITCH_FAST_LAUNCH"] = "1"
+    if args.jit_launch:
+        os.environ["FLASHSWITCH_FAST_LAUNCH"] = "0"
     # direct launches happen only where Triton compiles and really launches
-    fast = gpu and not stub and os.environ.get("FLASHSWITCH_FAST_LAUNCH", "0") not in ("", "0")
+    from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
+    fast = gpu and not stub and fast_launch_wanted(torch.device(device))
     if stub:
         stub_triton_launches()
     dtype = "bf16" if gpu else "fp32"
@@ -187,7 +190,7 @@ def main() -> None:
              f"{', direct Triton launches' if fast else ''})", "",
              "Public call path (validation, backend choice, config lookup, launch), CPU time per call; kernel: "
              "CUDA-graph replay. `python bench/host_time.py" + (" --stub" if stub and gpu else "")
-             + (" --fast-launch" if fast else "") + "`", "",
+             + ("" if fast or stub else " --jit-launch") + "`", "",
              "| op | shape | backend | host us/call | kernel us |", "|---|---|---|---:|---:|"]
     for r in rows:
         k = "" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"

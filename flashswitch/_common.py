@@ -141,6 +141,22 @@ def eager_fast_path(*tensors) -> bool:
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def eager_autograd_path(*tensors) -> bool:
+    """Whether an eager call that needs gradients may run through the op's torch.autograd.Function
+    instead of its custom op (the same kernels both ways): not traced, plain tensors (no subclass such
+    as DTensor or a fake tensor) and no functorch transform, which only the custom op's registrations
+    serve. Saves the custom op's dispatcher layers on the forward and on the backward."""
+    if torch.compiler.is_compiling():
+        return False
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    if peek is not None and peek() is not None:
+        return False
+    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+
+
 # ---------------------------------------------------------------- outputs
 _ENV_KEYS: dict = {}  # setting name -> its key in the dict under os.environ
 

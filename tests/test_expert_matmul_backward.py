@@ -425,3 +425,29 @@ def test_dense_z_sums_slots_sharing_an_expert(backend, dtype, G_in, weight_dtype
     for i, need in enumerate(((True, False, False), (False, True, False), (False, False, True))):
         one = op._run_backward(backend, dy, x3, p["weight"], p["gates"], rt, 3, *need, config=CONFIGS["dense-z"])
         assert torch.equal(one[i].view_as(got[i]), got[i])
+
+
+@pytest.mark.parametrize("G_in,G_out", [(None, 2), (2, 1)])
+def test_eager_autograd_path_equals_the_custom_op(backend, G_in, G_out, monkeypatch):
+    """Eager calls that need gradients skip the custom op's dispatcher (a torch.autograd.Function over
+    the same kernels, with the call plan's prepared backward): bitwise the gradients of the custom op
+    path, the custom op never called, and the backward prepared once per signature and wanted set."""
+    from flashswitch import _common as Cm, call_plan
+    call_plan.clear_all()  # a plan of this signature from an earlier test would hide the first prepare
+    p = random_problem(T=21, S=4, E=5, d_in=24, d_out=20, G_in=G_in, G_out=G_out, device=DEVICE, seed=11)
+    dy = _dy(p)
+    calls, prepared = [], []
+    real_op, real_prepare = op._expert_matmul_op, K.prepare
+    monkeypatch.setattr(op, "_expert_matmul_op", lambda *a: calls.append(1) or real_op(*a))
+    monkeypatch.setattr(K, "prepare", lambda *a, **k: prepared.append(1) or real_prepare(*a, **k))
+    fast = [_grads(backend, p, dy) for _ in range(3)]
+    assert not calls and len(prepared) == 1
+    fast.append(_grads(backend, p, dy, want=("x",)))  # another wanted set: prepared once more
+    assert len(prepared) == 2 and torch.equal(fast[-1][0], fast[0][0]) and fast[-1][1] is None
+    monkeypatch.setattr(Cm, "eager_autograd_path", lambda *tensors: False)
+    slow = _grads(backend, p, dy)
+    assert calls
+    for a, b in zip(fast[0], slow):
+        assert torch.equal(a, b)
+    for again in fast[1:3]:
+        assert all(torch.equal(a, b) for a, b in zip(again, fast[0]))

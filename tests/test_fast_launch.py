@@ -1,5 +1,5 @@
 """Prepared Triton launches (kernels_triton/<op>.prepare, kernel_call.KernelCall) and direct launches of the
-compiled kernels (FLASHSWITCH_FAST_LAUNCH=1).
+compiled kernels (on CUDA by default; FLASHSWITCH_FAST_LAUNCH=0 turns them off).
 
 A launch prepared from one problem's metadata, enqueued on another problem with the same metadata
 (other values, other addresses, 16-byte alignment broken) gives what `launch` gives on it, and the
@@ -290,7 +290,7 @@ def test_prepared_launch_lives_and_dies_with_the_plan(op, monkeypatch):
     clear_all makes a new plan with a new one. Direct launches only where Triton compiles (CUDA)."""
     module = {"chunk_summaries": cs_op, "eva_attention": eva_op, "expert_matmul": em_op}[op]
     call_plan.clear_all()
-    monkeypatch.delenv("FLASHSWITCH_FAST_LAUNCH", raising=False)
+    monkeypatch.setenv("FLASHSWITCH_FAST_LAUNCH", "0")
     shape, _ = CASES[op][0]
     p = _problem(op, shape, 0)
     rt = flashswitch.route(p["expert_idx"], p["num_experts"]) if op == "expert_matmul" else None
@@ -403,8 +403,8 @@ def test_direct_launch_is_bitwise_the_normal_one(op, dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 def test_public_calls_with_direct_launches(op, monkeypatch):
-    """FLASHSWITCH_FAST_LAUNCH=1 on the public call (the tuned or default config): bitwise the results
-    without it, and the kernels launch directly from the second call on (unless a Gluon config runs)."""
+    """Direct launches on the public call (the tuned or default config): bitwise the results of
+    FLASHSWITCH_FAST_LAUNCH=0, and the kernels launch directly from the second call on (unless a Gluon config runs)."""
     call_plan.clear_all()
     shapes = {"chunk_summaries": dict(B=1, H=2, N=64, D=64, C=16),
               "eva_attention": dict(B=1, H=8, Hkv=8, Nq=1, Nk=256, D=64, C=16, W=64),
@@ -420,7 +420,7 @@ def test_public_calls_with_direct_launches(op, monkeypatch):
         return (flashswitch.expert_matmul(p["x"], rt, p["weight"], gates=p["gates"], deterministic=True,
                                           backend="triton"),)
 
-    monkeypatch.delenv("FLASHSWITCH_FAST_LAUNCH", raising=False)
+    monkeypatch.setenv("FLASHSWITCH_FAST_LAUNCH", "0")
     want = call()
     monkeypatch.setenv("FLASHSWITCH_FAST_LAUNCH", "1")
     runs = _count_jit_runs(monkeypatch)
@@ -474,7 +474,7 @@ def test_direct_launches_capture_into_a_cuda_graph(op, monkeypatch):
             getattr(rt, f).copy_(getattr(fresh, f))
     graph.replay()
     torch.cuda.synchronize()
-    monkeypatch.delenv("FLASHSWITCH_FAST_LAUNCH")
+    monkeypatch.setenv("FLASHSWITCH_FAST_LAUNCH", "0")
     want = call(new, flashswitch.route(new["expert_idx"], new["num_experts"]) if op == "expert_matmul" else None)
     for g, w in zip(outs, want):
         assert torch.equal(g, w)

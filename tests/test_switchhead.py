@@ -3,7 +3,7 @@
 The plain versions gather each (token, slot)'s expert weights densely (`weight[expert_idx]`, einsum),
 write attention as an explicit masked softmax and RoPE as a complex rotation, and run in fp64 (the
 oracle) and fp32 (the baseline of the SPEC tolerance rule). Routing is recomputed from the same fp32
-router logits (the choice of a tied top-k is torch.topk's; both sides take the same one), gates from
+router logits (a tied top-k takes the lower expert ids on both sides), gates from
 the plain logits. Every backend that can run here is checked forward; backward on the backends whose
 expert_matmul has a gradient (`grad_backends`: the reference everywhere, kernels once their backward
 exists). Kernel outputs start as NaN (conftest), so an unwritten row fails.
@@ -58,7 +58,8 @@ def grad_backends():
 
 # ---------------------------------------------------------------- plain versions of the math
 def _top_k(logits32, k):
-    return torch.sigmoid(logits32).topk(k, dim=-1, sorted=False).indices
+    """The k largest scores, ties to the lower expert id (the layers' rule for few experts)."""
+    return torch.sigmoid(logits32).sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def plain_rope(t, n_rot, base=10000.0):

@@ -271,11 +271,6 @@ def _group_sum_call(R: int, d: int, spg: int, fast: bool = False) -> KernelCall:
                       dict(BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N), dict(num_warps=4), fast=fast)
 
 
-def _launch_group_sum(scratch: torch.Tensor, y: torch.Tensor, R: int, d: int, spg: int) -> None:
-    """y [R, d] = scratch [R, spg, d] summed over its spg slots in slot order (`_group_sum`)."""
-    _group_sum_call(R, d, spg)(scratch, y)
-
-
 def _nothing(*tensors) -> None:
     """The enqueue of a problem with nothing to compute."""
 

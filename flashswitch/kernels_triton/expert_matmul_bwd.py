@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashswitch.kernels_triton.expert_matmul import (_aligned, _gather_gemm, _group_row, _launch_group_sum,
+from flashswitch.kernels_triton.kernel_call import KernelCall
+from flashswitch.kernels_triton.expert_matmul import (_aligned, _gather_gemm, _group_row, _group_sum_call,
                                                        _pair_gates, _pow2, _pow2_divisor, _row_tile_grid,
                                                        _tile_of, _tile_pairs)
 
@@ -231,14 +232,14 @@ def _sum_leading(src_ptr, dst_ptr, J, N, BLOCK: tl.constexpr):
     tl.store(dst_ptr + i, acc.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-def _sum_into(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """dst (contiguous, N elements) = src [J, N] summed over J in a fixed order."""
-    N = dst.numel()
+def _sum_call(J: int, N: int, fast: bool) -> KernelCall:
+    """The launch of `_sum_leading` over a [J, N] source, called with (src, dst)."""
     BLOCK = 1024
-    _sum_leading[(triton.cdiv(N, BLOCK),)](src, dst, src.shape[0], N, BLOCK=BLOCK, num_warps=4)
+    return KernelCall(_sum_leading, (triton.cdiv(N, BLOCK),), 2, (J, N), dict(BLOCK=BLOCK), dict(num_warps=4),
+                      fast=fast)
 
 
-def _check_config(cfg: dict) -> dict:
+def _check_config(cfg) -> dict:
     missing = [k for k in CONFIG_KEYS if k not in cfg]
     if missing:
         raise ValueError(f"expert_matmul backward config is missing keys {missing}")
@@ -260,49 +261,58 @@ def launch(x3, weight, gates, route, dy, dx, dweight, dgates, *, G_in, G_out, co
     [T, S], any strides; dy: [T, G_out, d_out], unit last stride, x's dtype; route: a `Route`.
     config: every key of CONFIG_KEYS (see autotune/space.py, "expert_matmul.bwd").
     """
-    cfg = _check_config(dict(config))
+    want = [t is not None and t.numel() > 0 for t in (dx, dweight, dgates)]
+    enqueue = prepare(x3, weight, gates, route, dy, *want, G_in=G_in, G_out=G_out, config=config)
+    enqueue(x3, weight, gates, route, dy, dx, dweight, dgates)
+
+
+def prepare(x3, weight, gates, route, dy, want_dx: bool, want_dw: bool, want_dg: bool, *, G_in, G_out, config,
+            fast=False):
+    """The launches `launch` makes for these arguments and wanted gradients, prepared from metadata
+    only (shapes, strides, dtypes, the route's sizes; dy may be a meta tensor): an enqueue taking the
+    tensors of a call with the same metadata, (x3, weight, gates, route, dy, dx, dweight, dgates),
+    the gradients not wanted None. fast: direct launches (kernel_call)."""
+    cfg = _check_config(config)
     T, _, d_in = x3.shape
     E, _, d_out = weight.shape
     S = route.S
-    P = T * S
     has_gates = gates is not None
+    want_dg = want_dg and has_gates
     dot_precision = "ieee" if x3.dtype == torch.float32 else "tf32"
-    g = gates if has_gates else x3
     sg = gates.stride() if has_gates else (0, 0)
     sx = (x3.stride(0), x3.stride(1) if G_in > 1 else 0)
     sdy = (dy.stride(0), dy.stride(1) if G_out > 1 else 0)
-
-    want_dx = dx is not None and dx.numel() > 0
-    want_dg = dgates is not None and dgates.numel() > 0
-    want_dw = dweight is not None and dweight.numel() > 0
+    dims = (T, S, E, d_in, d_out, G_in, G_out)
+    steps = []
     if cfg["DENSE_Z"] and G_in < S and T and d_in and d_out and (want_dx or want_dw or want_dg):
-        pair_expert = torch.empty(T * S, dtype=torch.int32, device=x3.device)
-        _pair_experts[(E,)](route.token, route.slot, route.offsets, pair_expert, S, BLOCK=256, num_warps=4)
-        x_flat = x3.reshape(T * G_in, d_in)
-        if want_dx or want_dg:  # W_cat[e·d_out + k, n] = W[e, n, k]
-            w_cat = weight.permute(0, 2, 1).to(x3.dtype).reshape(E * d_out, d_in)
-        if want_dx or want_dw:
-            z = _launch_dense_z(g, has_gates, sg, sdy, dy, pair_expert, T, S, G_in, G_out, E, d_out, x3.dtype)
-            if want_dx:  # dx = Z · W_cat
-                torch.mm(z, w_cat, out=dx.view(T * G_in, d_in))
-            if want_dw:  # dW[e] = X_flatᵀ · Z[:, e block], in dweight's dtype (fp32 for master weights)
-                dweight.copy_(_mm(x_flat.t(), z, dweight.dtype).view(d_in, E, d_out).permute(1, 0, 2))
-                want_dw = False
-        if want_dg:  # U = X_flat · W_catᵀ holds x_row(p) · W[e] for every expert; d gate_p = dy_row(p) · U[p]
-            _launch_dense_dg(torch.mm(x_flat, w_cat.t()), dy, sdy, pair_expert, dgates, T, S, G_in, G_out, d_out)
-        want_dx = want_dg = False
+        steps.append(_dense_z_steps(dims, x3.dtype, weight.dtype, has_gates, sg, sdy, want_dx, want_dw, want_dg,
+                                    fast))
+        want_dx = want_dw = want_dg = False
     if want_dw:
-        _launch_dw(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dweight, S, G_in, G_out, dot_precision, cfg)
-    if not (want_dx or want_dg):
-        return
-    if d_in == 0 or d_out == 0:  # z_p = 0: zero gradients
+        steps.append(_dw_step(dims, has_gates, sg, sx, sdy, route.num_pairs, dot_precision, cfg, fast))
+    if want_dx or want_dg:
+        if d_in == 0 or d_out == 0:  # z_p = 0: zero gradients
+            steps.append(_zero_step(want_dx, want_dg))
+        else:
+            steps.append(_dx_step(dims, x3.dtype, weight.stride(), has_gates, sg, sx, sdy, want_dx, want_dg,
+                                  dot_precision, cfg, fast))
+
+    def enqueue(x3, weight, gates, route, dy, dx, dweight, dgates):
+        g = gates if has_gates else x3  # a placeholder pointer when there are no gates
+        for step in steps:
+            step(x3, weight, g, route, dy, dx, dweight, dgates)
+
+    enqueue.steps = steps
+    return enqueue
+
+
+def _zero_step(want_dx, want_dg):
+    def step(x3, weight, g, route, dy, dx, dweight, dgates):
         if want_dx:
             dx.zero_()
         if want_dg:
             dgates.zero_()
-        return
-    _launch_dx(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dx if want_dx else None,
-               dgates if want_dg else None, S, G_in, G_out, dot_precision, cfg)
+    return step
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -318,93 +328,113 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     return torch.mm(a.to(out_dtype), b.to(out_dtype))
 
 
-def _launch_dense_z(g, has_gates, sg, sdy, dy, pair_expert, T, S, G_in, G_out, E, d_out, dtype):
-    """Z [T·G_in, E·d_out] (see `_dense_z`)."""
-    z = torch.zeros((T * G_in, E * d_out), dtype=dtype, device=dy.device)
+def _dense_z_steps(dims, x_dtype, w_dtype, has_gates, sg, sdy, want_dx, want_dw, want_dg, fast):
+    """Config DENSE_Z (module docstring): pair experts, Z, then the dense GEMMs and the d gates dots."""
+    T, S, E, d_in, d_out, G_in, G_out = dims
     BLOCK_K = max(16, triton.next_power_of_2(d_out))
     BLOCK_T = max(1, min(64, 2048 // BLOCK_K))
-    _dense_z[(triton.cdiv(T, BLOCK_T), G_in)](
-        dy, g, pair_expert, z, T, S, G_in, S // G_in, S // G_out, d_out,
-        sdy[0], sdy[1], sg[0], sg[1], z.stride(0),
-        HAS_GATES=has_gates, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, num_warps=4)
-    return z
+    rows = T * G_in
+    pair_experts = KernelCall(_pair_experts, (E,), 4, (S,), dict(BLOCK=256), dict(num_warps=4), fast=fast)
+    dense_z = KernelCall(_dense_z, (triton.cdiv(T, BLOCK_T), G_in), 4,
+                         (T, S, G_in, S // G_in, S // G_out, d_out, sdy[0], sdy[1], sg[0], sg[1], E * d_out),
+                         dict(HAS_GATES=has_gates, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K), dict(num_warps=4), fast=fast)
+    dense_dg = KernelCall(_dense_dg, (triton.cdiv(T, BLOCK_T), S), 4,
+                          (T, S, G_in, S // G_in, S // G_out, d_out, E * d_out, sdy[0], sdy[1]),
+                          dict(BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K), dict(num_warps=4), fast=fast)
+
+    def step(x3, weight, g, route, dy, dx, dweight, dgates):
+        pair_expert = torch.empty(T * S, dtype=torch.int32, device=x3.device)
+        pair_experts(route.token, route.slot, route.offsets, pair_expert)
+        x_flat = x3.reshape(rows, d_in)
+        if want_dx or want_dg:  # W_cat[e·d_out + k, n] = W[e, n, k]
+            w_cat = weight.permute(0, 2, 1).to(x_dtype).reshape(E * d_out, d_in)
+        if want_dx or want_dw:
+            z = torch.zeros((rows, E * d_out), dtype=x_dtype, device=x3.device)
+            dense_z(dy, g, pair_expert, z)
+            if want_dx:  # dx = Z · W_cat
+                torch.mm(z, w_cat, out=dx.view(rows, d_in))
+            if want_dw:  # dW[e] = X_flatᵀ · Z[:, e block], in dweight's dtype (fp32 for master weights)
+                dweight.copy_(_mm(x_flat.t(), z, w_dtype).view(d_in, E, d_out).permute(1, 0, 2))
+        if want_dg:  # U = X_flat · W_catᵀ holds x_row(p) · W[e] for every expert; d gate_p = dy_row(p) · U[p]
+            dense_dg(torch.mm(x_flat, w_cat.t()), dy, pair_expert, dgates)
+    return step
 
 
-def _launch_dense_dg(u, dy, sdy, pair_expert, dgates, T, S, G_in, G_out, d_out):
-    BLOCK_K = max(16, triton.next_power_of_2(d_out))
-    BLOCK_T = max(1, min(64, 2048 // BLOCK_K))
-    _dense_dg[(triton.cdiv(T, BLOCK_T), S)](
-        u, dy, pair_expert, dgates, T, S, G_in, S // G_in, S // G_out, d_out, u.stride(0), sdy[0], sdy[1],
-        BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, num_warps=4)
-
-
-def _launch_dw(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dweight, S, G_in, G_out, dot_precision, cfg):
-    E, d_in, d_out = dweight.shape
+def _dw_step(dims, has_gates, sg, sx, sdy, num_pairs, dot_precision, cfg, fast):
+    T, S, E, d_in, d_out, G_in, G_out = dims
     BM = _pow2("DW_BLOCK_M", cfg["DW_BLOCK_M"])
     BN = _pow2("DW_BLOCK_N", cfg["DW_BLOCK_N"])
     BK = _pow2("DW_BLOCK_K", cfg["DW_BLOCK_K"])
     split = int(cfg["SPLIT_K"])
-    if route.num_pairs == 0:
-        dweight.zero_()
-        return
-    target = dweight if split == 1 else torch.empty((split, E, d_in, d_out), dtype=torch.float32,
-                                                    device=dweight.device)
+    if num_pairs == 0:
+        return lambda x3, weight, g, route, dy, dx, dweight, dgates: dweight.zero_()
     tm, tn = triton.cdiv(d_in, BM), triton.cdiv(d_out, BN)
-    _dw_kernel[(E * split * tm * tn,)](
-        x3, dy, g, route.token, route.slot, route.offsets, target,
-        d_in, d_out, S // G_in, S // G_out,
-        sx[0], sx[1], sdy[0], sdy[1], sg[0], sg[1],
-        E * d_in * d_out if split > 1 else 0, d_in * d_out, d_out,
-        tm, tn,
-        SPLIT_K=split, HAS_GATES=has_gates, DOT_PRECISION=dot_precision,
-        DIV_M=_pow2_divisor(d_in, sx[0], sx[1]), DIV_N=_pow2_divisor(d_out, sdy[0], sdy[1], d_in * d_out),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-        num_warps=int(cfg["DW_num_warps"]), num_stages=int(cfg["DW_num_stages"]),
-    )
-    if split > 1:
-        _sum_into(target, dweight)
+    dw = KernelCall(
+        _dw_kernel, (E * split * tm * tn,), 7,
+        (d_in, d_out, S // G_in, S // G_out,
+         sx[0], sx[1], sdy[0], sdy[1], sg[0], sg[1],
+         E * d_in * d_out if split > 1 else 0, d_in * d_out, d_out,
+         tm, tn),
+        dict(SPLIT_K=split, HAS_GATES=has_gates, DOT_PRECISION=dot_precision,
+             DIV_M=_pow2_divisor(d_in, sx[0], sx[1]), DIV_N=_pow2_divisor(d_out, sdy[0], sdy[1], d_in * d_out),
+             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK),
+        dict(num_warps=int(cfg["DW_num_warps"]), num_stages=int(cfg["DW_num_stages"])), fast=fast)
+    sum_split = _sum_call(split, E * d_in * d_out, fast) if split > 1 else None
+
+    def step(x3, weight, g, route, dy, dx, dweight, dgates):
+        if sum_split is None:
+            dw(x3, dy, g, route.token, route.slot, route.offsets, dweight)
+            return
+        partial = torch.empty((split, E, d_in, d_out), dtype=torch.float32, device=dweight.device)
+        dw(x3, dy, g, route.token, route.slot, route.offsets, partial)
+        sum_split(partial, dweight)
+    return step
 
 
-def _launch_dx(x3, weight, g, has_gates, sg, sx, sdy, route, dy, dx, dgates, S, G_in, G_out, dot_precision, cfg):
-    T, _, d_in = x3.shape
-    E, _, d_out = weight.shape
+def _dx_step(dims, x_dtype, sw, has_gates, sg, sx, sdy, want_dx, want_dg, dot_precision, cfg, fast):
+    T, S, E, d_in, d_out, G_in, G_out = dims
     P = T * S
     BM = _pow2("DX_BLOCK_M", cfg["DX_BLOCK_M"])
     BN = _pow2("DX_BLOCK_N", cfg["DX_BLOCK_N"])
     BK = _pow2("DX_BLOCK_K", cfg["DX_BLOCK_K"])
     n_tiles_n = triton.cdiv(d_in, BN)
     interleave, block_e, grid_m, n_iter = _row_tile_grid(E, P, BM, bool(cfg["DX_INTERLEAVE"]))
+    # where the pairs' dx rows go: x3 itself as a never-written placeholder (no dx wanted), dx (one
+    # pair per dx row), or per-pair rows summed over each input group's slots in slot order
+    if not want_dx:
+        target, st = "x", sx
+    elif G_in == S:
+        target, st = "dx", torch.empty((T, G_in, d_in), device="meta").stride()[:2]
+    else:
+        target, st = "scratch", torch.empty((T, S, d_in), device="meta").stride()[:2]
+    part_dtype = torch.float32 if cfg["DX_PARTIALS"] == "fp32" else x_dtype
+    dx_call = KernelCall(
+        _dx_kernel, (grid_m * n_tiles_n,), 9,
+        (E, S, d_in, d_out, S // G_in, S // G_out, P,
+         sdy[0], sdy[1],
+         sw[0], sw[2], sw[1],
+         sg[0], sg[1],
+         sx[0], sx[1],
+         st[0], st[1] if target != "x" or G_in > 1 else 0,
+         grid_m, n_tiles_n, n_iter),
+        dict(HAS_GATES=has_gates, WRITE_DX=want_dx, WRITE_DG=want_dg, DOT_PRECISION=dot_precision,
+             INTERLEAVE=interleave, EVEN_K=d_out % BK == 0, DIV_K=_pow2_divisor(d_out, sdy[0], sdy[1]),
+             DIV_N=_pow2_divisor(d_in, sx[0], sx[1], st[0], st[1]),
+             DIV_W=_pow2_divisor(sw[0], sw[1]) if sw[2] == 1 else 1, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+             BLOCK_E=block_e),
+        dict(num_warps=int(cfg["DX_num_warps"]), num_stages=int(cfg["DX_num_stages"])), fast=fast)
+    group_sum = _group_sum_call(T * G_in, d_in, S // G_in, fast) if target == "scratch" else None
+    sum_dg = _sum_call(n_tiles_n, P, fast) if want_dg else None
 
-    scratch = None
-    if dx is None:
-        target = x3  # never written (WRITE_DX False)
-    elif G_in == S:  # one pair per dx row
-        target = dx
-    else:  # per-pair rows, summed over each input group's slots in slot order
-        part_dtype = torch.float32 if cfg["DX_PARTIALS"] == "fp32" else dx.dtype
-        scratch = torch.empty((T, S, d_in), dtype=part_dtype, device=dx.device)
-        target = scratch
-    dg_part = None
-    if dgates is not None:
-        dg_part = torch.empty((n_tiles_n, P), dtype=torch.float32, device=x3.device)
-    sw = weight.stride()
-    _dx_kernel[(grid_m * n_tiles_n,)](
-        dy, weight, g, x3, route.token, route.slot, route.offsets, target,
-        dg_part if dg_part is not None else target,
-        E, S, d_in, d_out, S // G_in, S // G_out, P,
-        sdy[0], sdy[1],
-        sw[0], sw[2], sw[1],
-        sg[0], sg[1],
-        sx[0], sx[1],
-        target.stride(0), target.stride(1) if target.dim() == 3 else 0,
-        grid_m, n_tiles_n, n_iter,
-        HAS_GATES=has_gates, WRITE_DX=dx is not None, WRITE_DG=dgates is not None, DOT_PRECISION=dot_precision,
-        INTERLEAVE=interleave, EVEN_K=d_out % BK == 0, DIV_K=_pow2_divisor(d_out, sdy[0], sdy[1]),
-        DIV_N=_pow2_divisor(d_in, sx[0], sx[1], target.stride(0), target.stride(1)),
-        DIV_W=_pow2_divisor(sw[0], sw[1]) if sw[2] == 1 else 1, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_E=block_e,
-        num_warps=int(cfg["DX_num_warps"]), num_stages=int(cfg["DX_num_stages"]),
-    )
-    if scratch is not None:
-        _launch_group_sum(scratch, dx, T * G_in, d_in, S // G_in)
-    if dg_part is not None:
-        _sum_into(dg_part, dgates)
+    def step(x3, weight, g, route, dy, dx, dweight, dgates):
+        if target == "scratch":
+            out = torch.empty((T, S, d_in), dtype=part_dtype, device=x3.device)
+        else:
+            out = dx if target == "dx" else x3
+        dg_part = torch.empty((n_tiles_n, P), dtype=torch.float32, device=x3.device) if want_dg else out
+        dx_call(dy, weight, g, x3, route.token, route.slot, route.offsets, out, dg_part)
+        if group_sum is not None:
+            group_sum(out, dx)
+        if sum_dg is not None:
+            sum_dg(dg_part, dgates)
+    return step

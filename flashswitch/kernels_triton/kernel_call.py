@@ -7,7 +7,7 @@ enqueue that takes the call's tensors and launches one or more `KernelCall`s: th
 the arguments after the leading tensor ones (scalars and constexprs, in the kernel's signature order)
 and the launch options. `launch(...)` of each op is `prepare(...)` then the enqueue.
 
-Direct launch (`fast=True`, from FLASHSWITCH_FAST_LAUNCH=1 on CUDA): Triton's JITFunction.run binds
+Direct launch (`fast=True`: on CUDA unless FLASHSWITCH_FAST_LAUNCH=0): Triton's JITFunction.run binds
 every argument and computes a specialization key on each launch. With all but the tensors fixed that
 key varies only with the tensors' 16-byte alignment (pointers are specialized on data_ptr % 16 == 0)
 and the current device. So the CompiledKernel a normal launch returns is kept per (device, alignment)
@@ -26,9 +26,11 @@ FAST_LAUNCH_ENV = "FLASHSWITCH_FAST_LAUNCH"
 
 
 def fast_launch_wanted(device: torch.device) -> bool:
-    """FLASHSWITCH_FAST_LAUNCH is on, the tensors live on a GPU and Triton compiles (no interpreter)."""
-    from flashswitch._common import env_flag, triton_interpret
-    return device.type == "cuda" and env_flag(FAST_LAUNCH_ENV) and not triton_interpret()
+    """The tensors live on a GPU, Triton compiles (no interpreter) and FLASHSWITCH_FAST_LAUNCH is not
+    turned off (0, false, no, off): direct launches are the default."""
+    from flashswitch._common import env_get, triton_interpret
+    off = (env_get(FAST_LAUNCH_ENV) or "").strip().lower() in ("0", "false", "no", "off")
+    return device.type == "cuda" and not off and not triton_interpret()
 
 
 def _alignment(tensors: Sequence) -> int:

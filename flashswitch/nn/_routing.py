@@ -11,15 +11,24 @@ def sigmoid_top_k(logits: torch.Tensor, k: int, *, expert_dropout: float = 0.0, 
     Sigmoid gates are non-competitive (Csordas et al.): a gate does not depend on the other experts'
     scores and the k gates are not renormalised. Expert dropout (training only) zeroes each score with
     probability `expert_dropout` before the choice, so a dropped expert is only picked when fewer than
-    k survive, and then with gate 0 (the sigma-MoE rule). Ties go wherever torch.topk puts them.
+    k survive, and then with gate 0 (the sigma-MoE rule). Ties: the lower expert id first among up to
+    SORT_MAX_EXPERTS experts, else wherever torch.topk puts them.
     Returns (idx int64 [..., k], gates fp32 [..., k]); gradients reach the logits through the gates.
     """
     scores = torch.sigmoid(logits.float())
     if training and expert_dropout > 0:
         scores = scores.masked_fill(torch.rand_like(scores) < expert_dropout, 0.0)
     with torch.no_grad():
-        idx = scores.topk(k, dim=-1, sorted=False).indices
+        if scores.shape[-1] <= SORT_MAX_EXPERTS:
+            idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+        else:
+            idx = scores.topk(k, dim=-1, sorted=False).indices
     return idx, torch.gather(scores, -1, idx)
+
+
+# Rows of at most this many experts are sorted whole instead of torch.topk'ed: topk's CUDA kernel is
+# made for long rows (a radix select per row), a short row sorts within one warp (ties: lower id first).
+SORT_MAX_EXPERTS = 64
 
 
 def init_router_(weight: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,8 @@ from torch import nn
 
 from flashswitch.nn._routing import check_positive
 from flashswitch.nn.sigma_moe import SigmaMoE
-from flashswitch.nn.switchhead import (ATTENTIONS, SwitchHeadAttention, apply_rotary, attention_macs_per_token,
-                                       causal_attention, rotary_dims)
+from flashswitch.nn.switchhead import (ATTENTIONS, SwitchHeadAttention, attention_macs_per_token, causal_attention,
+                                       rotary_dims, rotate_packed)
 
 VARIANTS = ("dense", "switchhead", "switchall")
 SIZES = ("47M", "262M")
@@ -137,9 +137,10 @@ class DenseAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        q, k, v = F.linear(x, self.qkv).view(B, N, 3, H, D).unbind(2)
-        q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), self.n_rot, self.rope_base)
-        a = causal_attention(q, k, v.transpose(1, 2), attention=self.attention, backend=self.backend, **self.eva)
+        qkv = F.linear(x, self.qkv).view(B, N, 3, H, D)
+        qk = rotate_packed(qkv[:, :, :2], self.n_rot, self.rope_base)
+        q, k, v = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
+        a = causal_attention(q, k, v, attention=self.attention, backend=self.backend, **self.eva)
         return F.linear(a.transpose(1, 2).reshape(B, N, H * D), self.out)
 
     def macs_per_token(self, seq_len: int) -> float:

@@ -30,24 +30,42 @@ def rotary_dims(head_dim: int, fraction: float) -> int:
     return 2 * int(fraction * head_dim / 2)
 
 
+def rotary_tables(seq_len: int, n_rot: int, base: float, device, dtype: torch.dtype):
+    """cos, sin [seq_len, n_rot / 2] of the angles of positions 0..seq_len-1."""
+    inv_freq = base ** (-torch.arange(0, n_rot, 2, dtype=dtype, device=device) / n_rot)
+    angle = torch.arange(seq_len, dtype=dtype, device=device)[:, None] * inv_freq
+    return angle.cos(), angle.sin()
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int) -> torch.Tensor:
+    """t with its first n_rot dims rotated (rotate-half pairing: dim i pairs with i + n_rot/2) by cos,
+    sin (broadcast against t[..., :n_rot/2]); math in cos's dtype, t's dtype out."""
+    r = t[..., :n_rot].to(cos.dtype)
+    r1, r2 = r[..., : n_rot // 2], r[..., n_rot // 2:]
+    out = torch.cat([r1 * cos - r2 * sin, r2 * cos + r1 * sin], -1).to(t.dtype)
+    return torch.cat([out, t[..., n_rot:]], -1) if n_rot < t.shape[-1] else out
+
+
+def _angle_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def rotate_packed(t: torch.Tensor, n_rot: int, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of a packed projection t [B, N, P, H, D] (positions along dim 1; q and k as
+    two of the P parts): one rotation for all parts instead of one per tensor."""
+    if n_rot == 0:
+        return t
+    cos, sin = rotary_tables(t.shape[1], n_rot, base, t.device, _angle_dtype(t))
+    return rotate(t, cos[:, None, None], sin[:, None, None], n_rot)
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, n_rot: int, base: float = 10000.0):
     """Rotate the first n_rot dims of q, k [B, H, N, D] by position (rotate-half pairing: dim i pairs
     with i + n_rot/2; angles in fp32, fp64 for fp64 inputs)."""
     if n_rot == 0:
         return q, k
-    N = q.shape[-2]
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    inv_freq = base ** (-torch.arange(0, n_rot, 2, dtype=dt, device=q.device) / n_rot)
-    angle = torch.arange(N, dtype=dt, device=q.device)[:, None] * inv_freq
-    cos, sin = angle.cos(), angle.sin()
-
-    def rotate(t):
-        r = t[..., :n_rot].to(dt)
-        r1, r2 = r[..., : n_rot // 2], r[..., n_rot // 2:]
-        out = torch.cat([r1 * cos - r2 * sin, r2 * cos + r1 * sin], -1).to(t.dtype)
-        return torch.cat([out, t[..., n_rot:]], -1)
-
-    return rotate(q), rotate(k)
+    cos, sin = rotary_tables(q.shape[-2], n_rot, base, q.device, _angle_dtype(q))
+    return rotate(q, cos, sin, n_rot), rotate(k, cos, sin, n_rot)
 
 
 # ---------------------------------------------------------------- causal attention
@@ -187,8 +205,8 @@ class SwitchHeadAttention(nn.Module):
         dt = compute_dtype(x)
         x2 = x.reshape(T, d).to(dt)
         v, output = self.values(x2)
-        qk = F.linear(x2, self.qk.to(dt)).view(B, N, 2, H, D)
-        q, k = apply_rotary(qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2), self.n_rot, self.rope_base)
+        qk = rotate_packed(F.linear(x2, self.qk.to(dt)).view(B, N, 2, H, D), self.n_rot, self.rope_base)
+        q, k = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2)
         a = causal_attention(q, k, v.view(B, N, H, D).transpose(1, 2), attention=self.attention,
                              eva_chunk_size=self.eva_chunk_size, eva_window_size=self.eva_window_size,
                              eva_window=self.eva_window, backend=self.backend)

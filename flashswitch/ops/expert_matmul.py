@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -307,10 +307,11 @@ def _features_bwd(x3: torch.Tensor, weight: torch.Tensor, S: int, G_out: int, ga
 
 
 def _run_backward(backend: str, dy, x3, weight, gates, rt: Route, G_out: int, need_x: bool, need_weight: bool,
-                  need_gates: bool, config=None):
+                  need_gates: bool, config=None, plan: Optional["_Plan"] = None):
     """(dx3, dweight, dgates) from the Triton backward kernels (every kernel backend uses them); a
     gradient not asked for (or gates None) is an empty tensor. dweight is exactly zero for experts
-    with no pairs; the result is bitwise reproducible (no float atomics, fixed-order sums)."""
+    with no pairs; the result is bitwise reproducible (no float atomics, fixed-order sums).
+    config: complete (call_plan), None: looked up; plan: the call plan whose prepared launches to use."""
     if backend not in C.KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}")
     T, G_in, d_in = x3.shape
@@ -319,14 +320,18 @@ def _run_backward(backend: str, dy, x3, weight, gates, rt: Route, G_out: int, ne
     dw = C.new_output(weight.shape, weight.dtype, dev) if need_weight else weight.new_empty(0)
     need_gates = need_gates and gates is not None
     dg = C.new_output(gates.shape, gates.dtype, dev) if need_gates else x3.new_empty(0)
-    if not (dx.numel() or dw.numel() or dg.numel()):
+    want = (dx.numel() > 0, dw.numel() > 0, dg.numel() > 0)
+    if not any(want):
         return dx, dw, dg
     dy = dy.to(x3.dtype).contiguous()  # e.g. the expanded (stride 0) gradient of y.sum()
-    if config is None:
-        config = call_plan.config(OP_BWD, "triton", _features_bwd(x3, weight, rt.S, G_out, gates is not None))
-    from flashswitch.kernels_triton.expert_matmul_bwd import launch
-    launch(x3, weight, gates, rt, dy, dx if need_x else None, dw if need_weight else None,
-           dg if need_gates else None, G_in=G_in, G_out=G_out, config=config)
+    if plan is not None:
+        enqueue = plan.backward_enqueue(x3, weight, gates, rt, dy, want)
+    else:
+        if config is None:
+            config = call_plan.config(OP_BWD, "triton", _features_bwd(x3, weight, rt.S, G_out, gates is not None))
+        from flashswitch.kernels_triton import expert_matmul_bwd
+        enqueue = expert_matmul_bwd.prepare(x3, weight, gates, rt, dy, *want, G_in=G_in, G_out=G_out, config=config)
+    enqueue(x3, weight, gates, rt, dy, *(g if w else None for g, w in zip((dx, dw, dg), want)))
     return dx, dw, dg
 
 
@@ -464,8 +469,33 @@ def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates:
     if C.eager_fast_path(x3, weight, gates):
         return _run_backend(plan.backend, x3, weight, gates, route, plan.G_out, deterministic, plan.config,
                             plan.enqueue)
+    if C.eager_autograd_path(x3, weight, gates):
+        return _EagerAutograd.apply(x3, weight, gates, route, plan, deterministic)
     return _expert_matmul_op(x3, weight, gates, route.token, route.slot, route.offsets, route.S, plan.G_out,
                              deterministic, plan.backend)
+
+
+class _EagerAutograd(torch.autograd.Function):
+    """An eager call that needs gradients (C.eager_autograd_path): the custom op's forward and backward
+    with the call plan's prepared launch and backward config, without the dispatcher layers."""
+
+    @staticmethod
+    def forward(ctx, x3, weight, gates, route, plan, deterministic):
+        ctx.save_for_backward(x3, weight, gates)
+        ctx.route, ctx.plan = route, plan
+        return _run_backend(plan.backend, x3, weight, gates, route, plan.G_out, deterministic, plan.config,
+                            plan.enqueue)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x3, weight, gates = ctx.saved_tensors
+        need_x, need_weight, need_gates = ctx.needs_input_grad[:3]
+        need_gates = need_gates and gates is not None
+        plan = ctx.plan
+        dx, dw, dg = _run_backward(plan.backend, dy, x3, weight, gates, ctx.route, plan.G_out, need_x, need_weight,
+                                   need_gates, plan=plan)
+        return (dx if need_x else None, dw if need_weight else None, dg if need_gates else None, None, None, None)
 
 
 # ---------------------------------------------------------------- call plans
@@ -476,6 +506,24 @@ class _Plan:
     config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
     G_out: int
     enqueue: Optional[Callable] = None  # the Triton launch prepared for this signature (kernels_triton)
+    _backward: dict = field(default_factory=dict, compare=False)  # wanted gradients -> the prepared backward
+
+    def backward_enqueue(self, x3, weight, gates, route, dy, want: tuple) -> Callable:
+        """The backward's launches for this signature and wanted (dx, dweight, dgates), prepared by
+        their first use (one config lookup)."""
+        enqueue = self._backward.get(want)
+        if enqueue is None:
+            from flashswitch.kernels_triton import expert_matmul_bwd
+            from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
+            cfg = self._backward.get("config")
+            if cfg is None:
+                cfg = self._backward["config"] = call_plan.config(
+                    OP_BWD, "triton", _features_bwd(x3, weight, route.S, self.G_out, gates is not None))
+            dy_meta = torch.empty(dy.shape, dtype=dy.dtype, device="meta")
+            enqueue = self._backward[want] = expert_matmul_bwd.prepare(
+                x3, weight, gates, route, dy_meta, *want, G_in=x3.shape[1], G_out=self.G_out, config=cfg,
+                fast=fast_launch_wanted(x3.device))
+        return enqueue
 
 
 _PLANS = call_plan.PlanCache()
