@@ -376,3 +376,36 @@ def test_host_time_bench_writes_its_table(tmp_path):
         assert any(k[0] == op and k[2] == "triton" for k in rows), op
     assert all(0 < us < 20_000 for us in rows.values()), rows
     assert (tmp_path / "host_time.md").read_text().count("\n|") >= len(rows) + 1
+
+
+# ---------------------------------------------------------------- the eager autograd path
+CUSTOM_OPS = {"chunk_summaries": "_chunk_summaries_op", "eva_attention": "_eva_attention_op",
+              "expert_matmul": "_expert_matmul_op"}
+
+
+@pytest.mark.parametrize("op", list(MODULES))
+def test_eager_autograd_path_equals_the_custom_op(op, monkeypatch):
+    """An eager call that needs gradients runs the op's torch.autograd.Function (the same kernels, the
+    call plan's configs, no dispatcher layers): outputs and gradients bitwise those of the custom op,
+    which it never calls; the custom op keeps traced and subclass calls (C.eager_autograd_path)."""
+    backend = kernel_backends()[0]
+    module = MODULES[op]
+    p = _problem(op, seed=3)
+    diff = [n for n, t in p.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+    def run():
+        leaves = {n: p[n].detach().clone().requires_grad_() for n in diff}
+        outs = [o for o in _call(op, {**p, **leaves}, backend) if o.is_floating_point()]
+        g = torch.Generator().manual_seed(5)
+        ups = [torch.randn(o.shape, generator=g).to(o) for o in outs]
+        return outs, torch.autograd.grad(outs, list(leaves.values()), ups)
+
+    calls, real = [], getattr(module, CUSTOM_OPS[op])
+    monkeypatch.setattr(module, CUSTOM_OPS[op], lambda *a: calls.append(1) or real(*a))
+    outs, grads = run()
+    assert not calls
+    monkeypatch.setattr(C, "eager_autograd_path", lambda *tensors: False)
+    outs2, grads2 = run()
+    assert calls
+    for a, b in zip(outs + list(grads), outs2 + list(grads2)):
+        assert torch.equal(a, b)

@@ -42,5 +42,9 @@ class Rotary(torch.nn.Module):
         empty one, else after each sequence's length (`cache.lengths`, on the device: no host value)."""
         steps = torch.arange(q.shape[-2], device=q.device)
         pos = steps if cache is None or cache.empty else cache.lengths[:, None] + steps
+        if q.is_cuda and q.dtype == k.dtype:
+            from flashswitch.kernels_triton import layer_ops
+            if layer_ops.fused_wanted(q, k):  # inference: one kernel for q and k
+                return layer_ops.rotary_qk(q, k, pos, self.inv_freq)
         cos, sin = self.cos_sin(pos)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -10,7 +10,7 @@ backend (triton, cuda, cupy); the reference backend is differentiated by autogra
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -261,9 +261,40 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
     elif C.eager_fast_path(k, v, omega, key_weight):
         out = _run_backend(plan.backend, k, v, chunk_size, omega, key_weight, valid, plan.scale, plan.config,
                            plan.enqueue)
+    elif C.eager_autograd_path(k, v, omega, key_weight, valid):
+        out = _EagerAutograd.apply(plan, k, v, chunk_size, omega, key_weight, valid)
     else:
         out = _chunk_summaries_op(k, v, chunk_size, omega, key_weight, valid, plan.scale, plan.backend)
     return tuple(out) if return_lse else (out[0], out[1])
+
+
+class _EagerAutograd(torch.autograd.Function):
+    """An eager call that needs gradients (C.eager_autograd_path): the custom op's forward and backward
+    with the call plan's prepared launch and backward config, without the dispatcher layers."""
+
+    @staticmethod
+    def forward(ctx, plan, k, v, chunk_size, omega, key_weight, valid):
+        ctx.set_materialize_grads(False)  # an unused output gets no gradient tensor
+        ctx.save_for_backward(k, v, omega, key_weight, valid)  # the backward recomputes the softmaxes
+        ctx.plan, ctx.chunk_size = plan, chunk_size
+        return _run_backend(plan.backend, k, v, chunk_size, omega, key_weight, valid, plan.scale, plan.config,
+                            plan.enqueue)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dk_sum, dv_sum, dlse):
+        k, v, omega, key_weight, valid = ctx.saved_tensors
+        B, H, N, D = k.shape
+        Nc = -(-N // ctx.chunk_size)
+        if dk_sum is None:
+            dk_sum = k.new_zeros((B, H, Nc, D))
+        if dv_sum is None:
+            dv_sum = v.new_zeros((B, H, Nc, D))
+        plan = ctx.plan
+        dk, dv, domega, dkw = _run_backward(plan.backend, dk_sum, dv_sum, dlse, k, v, ctx.chunk_size, omega,
+                                            key_weight, valid, plan.scale,
+                                            plan.backward_config(k, ctx.chunk_size, key_weight, valid))
+        return None, dk, dv, None, domega, dkw, None
 
 
 # ---------------------------------------------------------------- call plans
@@ -274,6 +305,14 @@ class _Plan:
     config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
     scale: float
     enqueue: Optional[Callable] = None  # the Triton launch prepared for this signature (kernels_triton)
+    _backward: dict = field(default_factory=dict, compare=False)  # the backward's config, by its first use
+
+    def backward_config(self, k, chunk_size, key_weight, valid) -> Mapping:
+        cfg = self._backward.get("config")
+        if cfg is None:
+            cfg = self._backward["config"] = call_plan.config(OP_BWD, "triton", _features_bwd(k, chunk_size,
+                                                                                              key_weight, valid))
+        return cfg
 
 
 _PLANS = call_plan.PlanCache()

@@ -13,7 +13,7 @@ Non-finite inputs reach only the queries that see them (SPEC.md, "Op 2").
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -306,9 +306,36 @@ def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torc
                 plan.log_count)
         if C.eager_fast_path(q, k, v, k_sum, v_sum, bias):
             out = _run_backend(plan.backend, *args, config=plan.config, enqueue=plan.enqueue)
+        elif C.eager_autograd_path(q, k, v, k_sum, v_sum, bias):
+            out = _EagerAutograd.apply(plan, *args)
         else:
             out = _eva_attention_op(*args, plan.backend)
     return tuple(out) if return_lse else out[0]
+
+
+class _EagerAutograd(torch.autograd.Function):
+    """An eager call that needs gradients (C.eager_autograd_path): the custom op's forward and backward
+    with the call plan's prepared launch and backward config, without the dispatcher layers."""
+
+    @staticmethod
+    def forward(ctx, plan, q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset, log_count):
+        ctx.set_materialize_grads(False)  # an unused lse gets no gradient tensor
+        o, lse = _run_backend(plan.backend, q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale,
+                              q_offset, log_count, config=plan.config, enqueue=plan.enqueue)
+        ctx.save_for_backward(q, k, v, k_sum, v_sum, bias, o, lse)
+        ctx.plan, ctx.args = plan, (chunk_size, window_size, window, scale, q_offset, log_count)
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dlse):
+        q, k, v, k_sum, v_sum, bias, o, lse = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        chunk_size, window_size, window = ctx.args[:3]
+        config = ctx.plan.backward_config(q, k, chunk_size, window_size, window)
+        grads = _run_backward(ctx.plan.backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, *ctx.args, config)
+        return (None,) + grads[:5] + (grads[5] if bias is not None else None,) + (None,) * 6
 
 
 # ---------------------------------------------------------------- call plans
@@ -322,6 +349,14 @@ class _Plan:
     bias_tensor: bool
     log_count: bool
     enqueue: Optional[Callable] = None  # the Triton launch prepared for this signature (kernels_triton)
+    _backward: dict = field(default_factory=dict, compare=False)  # the backward's config, by its first use
+
+    def backward_config(self, q, k, chunk_size, window_size, window) -> Mapping:
+        cfg = self._backward.get("config")
+        if cfg is None:
+            cfg = self._backward["config"] = call_plan.config(OP_BWD, "triton", _features_bwd(q, k, chunk_size,
+                                                                                              window_size, window))
+        return cfg
 
 
 _PLANS = call_plan.PlanCache()
