@@ -6,6 +6,7 @@ device time is spent. No GPU needed.
 
     python3 bench/compile_check.py --ops eva_attention [--shape 0 1] [--first 8] [--arch 90]
     python3 bench/compile_check.py --ops eva_cache          # EvaCache's decode-step kernels
+    python3 bench/compile_check.py --ops layer_ops          # the decoder layers' fused kernels
     python3 bench/compile_check.py --tuned flashswitch/autotune/configs/NVIDIA_H200.json
 
 --shape: indices into autotune/space.py TUNE_SHAPES (default all); --first: the first N configs of
@@ -244,6 +245,50 @@ def check_eva_cache(arch: int, dtype: str) -> list[dict]:
     return rows
 
 
+def check_layer_ops(arch: int, dtype: str) -> list[dict]:
+    """Compile the decoder layers' fused kernels (kernels_triton/layer_ops.py) at the e2e models' widths:
+    rotary of q/k (shared and per-sequence positions), RMSNorm with and without the residual add,
+    silu * up, and the packed rotary's forward and backward (SwitchHead-262M's heads)."""
+    from flashswitch.kernels_triton import layer_ops as ops
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    freq = torch.zeros(32)
+    cases = {
+        "rotary_qk": lambda: ops.rotary_qk(torch.zeros(16, 32, 1, 64, dtype=dt), torch.zeros(16, 8, 1, 64, dtype=dt),
+                                           freq, None),
+        "rotary_qk offsets": lambda: ops.rotary_qk(torch.zeros(16, 9, 1, 64, dtype=dt),
+                                                   torch.zeros(16, 3, 1, 64, dtype=dt), freq,
+                                                   torch.zeros(16, dtype=torch.int64)),
+        "rms_norm 2048": lambda: ops.rms_norm(torch.zeros(16, 1, 2048, dtype=dt), torch.zeros(2048, dtype=dt), 1e-5),
+        "add_rms_norm 576": lambda: ops.add_rms_norm(torch.zeros(16, 1, 576, dtype=dt), torch.zeros(16, 1, 576, dtype=dt),
+                                                     torch.zeros(576, dtype=dt), 1e-5),
+        "silu_mul 8192": lambda: ops.silu_mul(torch.zeros(16, 1, 8192, dtype=dt), torch.zeros(16, 1, 8192, dtype=dt)),
+        "rotary_packed fwd+bwd": lambda: ops.rotary_packed(torch.zeros(2, 8, 2, 4, 112, dtype=dt, requires_grad=True),
+                                                           torch.zeros(28), 56).sum().backward(),
+    }
+    rows = []
+    for index, (name, run) in enumerate(cases.items()):
+        row = {"op": "layer_ops", "shape": index, "config": {"case": name}, "kernels": []}
+        t0 = time.monotonic()
+        try:
+            with _recording([ops]) as calls:
+                run()
+            for fn, args, kwargs in calls:
+                k = compile_call(fn, args, kwargs, arch)
+                row["kernels"].append({"name": fn.__name__, **resource_usage(k, arch)})
+            row["ok"] = bool(calls)
+            if not calls:
+                row["error"] = "no launch recorded"
+        except Exception as err:  # what the device would have hit
+            lines = str(err).strip().splitlines()
+            row.update(ok=False, error=f"{type(err).__name__}: {lines[-1] if lines else ''}")
+        row["s"] = round(time.monotonic() - t0, 1)
+        res = ", ".join(f"{k['name']} {k.get('regs', '?')} regs {k.get('local', '?')} B local" for k in row["kernels"])
+        print(f"  {'ok  ' if row['ok'] else 'FAIL'} {name}  {res or row.get('error', '')}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=["eva_attention"])
@@ -266,6 +311,9 @@ def main(argv=None) -> int:
     for op in args.ops:
         if op == "eva_cache":  # no op of its own: the cache's step bookkeeping
             rows += check_eva_cache(args.arch, args.dtype)
+            continue
+        if op == "layer_ops":
+            rows += check_layer_ops(args.arch, args.dtype)
             continue
         shapes = args.shape if args.shape is not None else range(len(space.TUNE_SHAPES[op]))
         rows += check_op(op, shapes, args.first, args.arch, args.dtype, args.tuned)

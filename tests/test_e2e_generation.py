@@ -118,6 +118,23 @@ def test_last_only_picks_each_sequences_last_position():
     assert_close("last", last[:, 0], torch.stack([full[0, 6], full[1, 3]]), torch.float32)
 
 
+def test_decoder_is_the_plain_pre_norm_formula():
+    """The blocks' fused residual stream (each add taken with the norm after it) against
+    x = x + attn(norm(x)); x = x + mlp(norm(x)) written out over the same modules."""
+    model = make_model("sdpa")
+    tokens = torch.randint(0, TINY.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with torch.no_grad():
+        x = model.embed(tokens)
+        for block in model.layers:
+            x = x + block.attn(block.input_norm(x))
+            x = x + block.mlp(block.post_norm(x))
+        want = torch.nn.functional.linear(model.norm(x), model.lm_head.weight)
+        assert_close("logits", model(tokens), want, torch.float32)
+        assert_close("block", model.layers[0](x), x + model.layers[0].attn(model.layers[0].input_norm(x))
+                     + model.layers[0].mlp(model.layers[0].post_norm(x + model.layers[0].attn(
+                         model.layers[0].input_norm(x)))), torch.float32)
+
+
 def test_weights_depend_on_names_and_seed_only():
     a, b = LlamaLM(TINY, seed=3), LlamaLM(TINY, attention="eva", chunk_size=2, window_size=4, seed=3)
     for (na, pa), (nb, pb) in zip(sorted(a.named_parameters()), sorted(b.named_parameters())):

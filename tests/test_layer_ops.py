@@ -1,20 +1,18 @@
 """The fused inference kernels around attention (kernels_triton/layer_ops.py) against the torch
-versions the layers use with gradients: rotary embedding of q and k at per-sequence positions, and
-RMSNorm. On the CPU they run under the Triton interpreter in fp32; bf16 / fp16 on the GPU."""
+versions the layers use with gradients: rotary embedding of q and k at per-sequence positions, the
+residual add with the RMSNorm after it, SwiGLU's activation; and the one-GEMM q/k/v projection. On the
+CPU the kernels run under the Triton interpreter in fp32; bf16 / fp16 on the GPU. Their outputs start
+as NaN (FLASHSWITCH_POISON, set by conftest), so an element a kernel does not write fails."""
 import pytest
 import torch
 
 from conftest import DEVICE, dtypes_here
 from flashswitch.kernels_triton import layer_ops
-from flashswitch.nn.llama import RMSNorm
+from flashswitch.nn import _projections
+from flashswitch.nn.llama import RMSNorm, SdpaAttention, SwiGLU
 from flashswitch.nn.rotary import Rotary, apply_rotary
-from flashswitch.testing import assert_close
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def _poisoned_like(t):
-    return torch.full_like(t, float("nan"))
 
 
 @pytest.mark.parametrize("dtype", dtypes_here())
@@ -28,9 +26,9 @@ def test_rotary_qk_matches_torch(dtype, B, H, Hkv, n, D, per_seq):
     k = torch.randn(B, n, Hkv, D, generator=g).to(DEVICE, dtype).transpose(1, 2)
     rot = Rotary(D, 500000.0, device=DEVICE)
     steps = torch.arange(n, device=DEVICE)
-    pos = torch.tensor([3, 900, 40000][:B], device=DEVICE)[:, None] + steps if per_seq else steps
-    qo, ko = layer_ops.rotary_qk(q, k, pos, rot.inv_freq)
-    cos, sin = rot.cos_sin(pos)
+    offsets = torch.tensor([3, 900, 40000][:B], device=DEVICE) if per_seq else None
+    qo, ko = layer_ops.rotary_qk(q, k, rot.inv_freq, offsets)
+    cos, sin = rot.cos_sin(steps if offsets is None else offsets[:, None] + steps)
     for got, x in ((qo, q), (ko, k)):
         want = apply_rotary(x, cos, sin)
         assert got.stride() == x.stride()
@@ -39,16 +37,75 @@ def test_rotary_qk_matches_torch(dtype, B, H, Hkv, n, D, per_seq):
 
 @pytest.mark.parametrize("dtype", dtypes_here())
 @pytest.mark.parametrize("shape", [(2, 3, 576), (1, 1, 2048), (4, 5, 40), (0, 3, 16)])
-def test_rms_norm_matches_torch(dtype, shape):
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_torch(dtype, shape, with_residual):
     g = torch.Generator().manual_seed(shape[-1])
     norm = RMSNorm(shape[-1], eps=1e-5, device=DEVICE, dtype=dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(shape[-1], generator=g).to(DEVICE, dtype))
     x = (3 * torch.randn(*shape, generator=g)).to(DEVICE, dtype)
-    got = layer_ops.rms_norm(x, norm.weight, norm.eps)
+    r = torch.randn(*shape, generator=g).to(DEVICE, dtype) if with_residual else None
+    s, y = layer_ops.add_rms_norm(x, r, norm.weight, norm.eps)
     with torch.enable_grad():
-        want = norm(x.requires_grad_())  # a gradient wanted: the torch version
-    torch.testing.assert_close(got.float(), want.detach().float(), rtol=TOL[dtype], atol=TOL[dtype])
+        want_s, want_y = norm.add(x.requires_grad_(), r)  # a gradient wanted: the torch version
+    assert torch.equal(s, want_s.detach())  # the sum rounds once, like torch's add
+    torch.testing.assert_close(y.float(), want_y.detach().float(), rtol=TOL[dtype], atol=TOL[dtype])
+    if shape[0]:
+        assert torch.equal(layer_ops.rms_norm(x, norm.weight, norm.eps), layer_ops.add_rms_norm(x, None, norm.weight,
+                                                                                               norm.eps)[1])
+
+
+@pytest.mark.parametrize("dtype", dtypes_here())
+@pytest.mark.parametrize("shape", [(2, 3, 1536), (1, 1, 5000), (3, 40), (0, 16)])
+def test_silu_mul_matches_torch(dtype, shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    gate = (4 * torch.randn(*shape, generator=g)).to(DEVICE, dtype)
+    up = torch.randn(*shape, generator=g).to(DEVICE, dtype)
+    got = layer_ops.silu_mul(gate, up)
+    want = torch.nn.functional.silu(gate) * up
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_qkv_projection_one_gemm_equals_three(monkeypatch, bias):
+    """The stacked weight gives the three projections' outputs, and is rebuilt when a weight changes
+    in place (an optimizer step) or is replaced."""
+    monkeypatch.setattr(layer_ops, "fused_wanted", lambda *t: layer_ops.eager_fast_path(*t))  # any device
+    torch.manual_seed(0)
+    attn = SdpaAttention(48, 6, num_kv_heads=2, head_dim=8, device=DEVICE)
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+        if bias:
+            m.bias = torch.nn.Parameter(torch.randn(m.out_features, device=DEVICE))
+    x = torch.randn(2, 5, 48, device=DEVICE)
+
+    def three():
+        with torch.enable_grad():
+            return [t.detach() for t in _projections.qkv_projection(attn, x.requires_grad_())]
+
+    with torch.no_grad():
+        for step in range(3):
+            got = _projections.qkv_projection(attn, x)
+            assert "_qkv_fused" in attn.__dict__
+            for a, b in zip(got, three()):
+                assert a.shape == b.shape
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            if step == 0:
+                attn.k_proj.weight.mul_(-2.0)  # in place: a new version
+            else:
+                attn.v_proj.weight = torch.nn.Parameter(torch.randn_like(attn.v_proj.weight))
+
+
+@pytest.mark.parametrize("dtype", dtypes_here())
+def test_swiglu_fused_equals_torch(monkeypatch, dtype):
+    monkeypatch.setattr(layer_ops, "fused_wanted", lambda *t: layer_ops.eager_fast_path(*t))
+    torch.manual_seed(1)
+    mlp = SwiGLU(32, 80, device=DEVICE, dtype=dtype)
+    x = torch.randn(3, 4, 32, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        got = mlp(x)
+    want = mlp(x.requires_grad_()).detach()
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
 @pytest.mark.gpu
@@ -56,7 +113,7 @@ def test_layers_take_the_fused_kernels_only_without_gradients(monkeypatch):
     """Under no_grad the model's RMSNorm and rotary run the fused kernels; with gradients the torch
     versions (the kernels have no backward)."""
     calls = []
-    for name in ("rms_norm", "rotary_qk"):
+    for name in ("add_rms_norm", "rotary_qk"):
         real = getattr(layer_ops, name)
         monkeypatch.setattr(layer_ops, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
     norm = RMSNorm(64, device=DEVICE, dtype=torch.bfloat16)
@@ -65,7 +122,83 @@ def test_layers_take_the_fused_kernels_only_without_gradients(monkeypatch):
     q = torch.randn(2, 4, 3, 16, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
         norm(x), rot.rotate_qk(q, q)
-    assert calls == ["rms_norm", "rotary_qk"]
+    assert calls == ["add_rms_norm", "rotary_qk"]
     calls.clear()
     norm(x.requires_grad_()), rot.rotate_qk(q.requires_grad_(), q)
     assert calls == []
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eva"])
+def test_model_inference_path_matches_the_torch_path(monkeypatch, attention):
+    """A whole decoder's prefill and decode steps in inference (fused kernels, one q/k/v GEMM) against
+    the same model with gradients on (the torch versions); bf16 on the GPU, fp32 on the CPU."""
+    from flashswitch.nn.llama import LlamaConfig, LlamaLM
+    monkeypatch.setattr(layer_ops, "fused_wanted", lambda *t: layer_ops.eager_fast_path(*t))  # any device
+    calls = []
+    for name in ("add_rms_norm", "rotary_qk", "silu_mul"):
+        real = getattr(layer_ops, name)
+        monkeypatch.setattr(layer_ops, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                      intermediate_size=256)
+    kw = dict(chunk_size=8, window_size=16) if attention == "eva" else {}
+    model = LlamaLM(cfg, attention=attention, device=DEVICE, dtype=dtype, **kw)
+    tokens = torch.randint(0, 64, (2, 40), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0))
+    logits = {}
+    for mode in ("fused", "torch"):
+        calls.clear()
+        with torch.set_grad_enabled(mode == "torch"):
+            cache = model.new_cache(2, 64)
+            out = [model(tokens[:, :30], cache)]
+            out += [model(tokens[:, i:i + 1], cache) for i in range(30, 40)]
+            logits[mode] = torch.cat(out, 1).detach().float()
+        assert set(calls) == ({"add_rms_norm", "rotary_qk", "silu_mul"} if mode == "fused" else set())
+    assert len(calls) == 0 and torch.isfinite(logits["fused"]).all()
+    tol = 0.05 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(logits["fused"], logits["torch"], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", dtypes_here())
+@pytest.mark.parametrize("B,N,P,H,D,n_rot,sliced", [(2, 7, 2, 3, 16, 8, False), (1, 5, 2, 4, 112, 56, False),
+                                                    (2, 6, 2, 2, 12, 12, True), (1, 3, 2, 1, 10, 4, True)])
+def test_rotary_packed_forward_and_backward_match_torch(dtype, B, N, P, H, D, n_rot, sliced):
+    """The packed projection rotated as the training layers do (q and k parts of one [B, N, P, H, D]
+    tensor, or a slice of a q/k/v one), its gradient rotated back; against the torch version's
+    forward and autograd."""
+    from flashswitch.nn.switchhead import _inv_freq, rotary_tables, rotate
+    g = torch.Generator().manual_seed(D + N)
+    full = torch.randn(B, N, P + sliced, H, D, generator=g).to(DEVICE, dtype)
+    t = full[:, :, :P] if sliced else full
+    up = torch.randn(B, N, P, H, D, generator=g).to(DEVICE, dtype)
+    got_t = t.detach().clone().requires_grad_() if not sliced else t.detach().requires_grad_()
+    got = layer_ops.rotary_packed(got_t, _inv_freq(n_rot, 10000.0, t.device), n_rot)
+    got.backward(up)
+    want_t = t.detach().clone().requires_grad_()
+    cos, sin = rotary_tables(N, n_rot, 10000.0, t.device, torch.float32)
+    want = rotate(want_t, cos[:, None, None], sin[:, None, None], n_rot)
+    want.backward(up)
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got.detach().float(), want.detach().float(), rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(got_t.grad.float(), want_t.grad.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_switchhead_layer_with_the_rotary_kernel_equals_torch(monkeypatch):
+    """The SwitchHead layer's output and every gradient, with the packed rotary kernel (any device
+    here) and with the torch rotation."""
+    from flashswitch.nn.switchhead import SwitchHeadAttention
+    torch.manual_seed(0)
+    layer = SwitchHeadAttention(32, 2, 12, 3, 2, backend="reference", device=DEVICE)
+    x = torch.randn(2, 9, 32, device=DEVICE)
+    runs = {}
+    for mode in ("kernel", "torch"):
+        if mode == "kernel":
+            monkeypatch.setattr(layer_ops, "packed_rotary_wanted", lambda t: True)
+        else:
+            monkeypatch.undo()
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.square().sum().backward()
+        runs[mode] = [y.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()]
+    for a, b in zip(runs["kernel"], runs["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

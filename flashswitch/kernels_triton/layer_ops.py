@@ -1,9 +1,12 @@
 """Fused inference kernels of the decoder layers around attention: rotary embedding of q and k in one
-launch, and RMSNorm in one launch. The torch versions (flashswitch/nn/rotary.py, nn/llama.py) take
-7 to 14 elementwise kernels each, fp32 copies of their inputs included; in a decode step those small
-kernels, not the attention, set the time per layer, and in a long prefill their memory traffic does.
-Same math as the torch versions (fp32 angles and products, one rounding to the input dtype); used
-where no gradient is needed (the torch versions keep autograd).
+launch (positions from the cache lengths on the device), RMSNorm with the residual add before it, and
+SwiGLU's silu(gate) * up; and, with its backward, the partial rotary embedding of a packed q/k
+projection that the training layers use (nn/switchhead.py). The torch versions (nn/rotary.py,
+nn/llama.py, nn/switchhead.py) take 2 to 14 elementwise kernels each (25 or so for a rotary forward and
+backward), fp32 copies of their inputs included; in a decode step or a training layer those small
+kernels and their host time, not the attention, can set the pace, and in a long prefill their memory
+traffic does. Same math as the torch versions (fp32 arithmetic, the same roundings to the input dtype).
+The inference kernels serve calls that need no gradient (the torch versions keep autograd).
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashswitch._common import eager_fast_path, next_pow2
+from flashswitch._common import eager_fast_path, next_pow2, poison_outputs
 
 
 def fused_wanted(*tensors: torch.Tensor) -> bool:
@@ -20,17 +23,20 @@ def fused_wanted(*tensors: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, freq_ptr,
-                   H, Hkv, n, s_pb, s_pn,
+def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, off_ptr, freq_ptr,
+                   H, Hkv, n,
                    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sqo_b, sqo_h, sqo_n, sko_b, sko_h, sko_n,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
-    """One program per (sequence b, token i): every head of q and then of k at position pos[b, i]."""
+                   HAS_OFF: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
+    """One program per (sequence b, token i): every head of q and then of k at position off[b] + i."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // n
     i = pid - b * n
     offs_f = tl.arange(0, BLOCK_F)
     fmask = offs_f < HALF
-    angle = tl.load(pos_ptr + b * s_pb + i * s_pn).to(tl.float32) * tl.load(freq_ptr + offs_f, mask=fmask, other=0.0)
+    pos = i
+    if HAS_OFF:
+        pos = pos + tl.load(off_ptr + b)
+    angle = pos.to(tl.float32) * tl.load(freq_ptr + offs_f, mask=fmask, other=0.0)
     cos = tl.cos(angle)[None, :]
     sin = tl.sin(angle)[None, :]
     for h0 in range(0, H + Hkv, BLOCK_H):
@@ -56,47 +62,176 @@ def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, freq_ptr,
         tl.store(ko_ptr + d1 + HALF, o2.to(ko_ptr.dtype.element_ty), mask=km)
 
 
-def rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
-    """q [B, H, n, D], k [B, Hkv, n, D] (unit last stride) rotated at positions ([n] or [B, n]
-    integers, on the device) by the angles positions * inv_freq ([D / 2] fp32), rotate-half pairing:
-    new tensors with the inputs' strides."""
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """An output with t's shape and strides (NaN under FLASHSWITCH_POISON: unwritten elements show)."""
+    out = torch.empty_like(t)
+    return out.fill_(float("nan")) if poison_outputs() else out
+
+
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, offsets=None):
+    """q [B, H, n, D], k [B, Hkv, n, D] (unit last stride) rotated at positions offsets[b] + i (offsets:
+    None for 0, or a [B] integer tensor on the device such as a cache's lengths) by the angles
+    position * inv_freq ([D / 2] fp32), rotate-half pairing: new tensors with the inputs' strides."""
     B, H, n, D = q.shape
     Hkv = k.shape[1]
-    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    qo, ko = _like(q), _like(k)
     if B * n == 0 or D == 0:
         return qo, ko
-    pos = positions if positions.dim() == 2 else positions[None]
-    s_pb = pos.stride(0) if pos.shape[0] > 1 else 0
     half = D // 2
     block_f = next_pow2(max(half, 1))
     block_h = max(1, min(next_pow2(H + Hkv), 4096 // block_f))
     _rotary_kernel[(B * n,)](
-        q, k, qo, ko, pos, inv_freq, H, Hkv, n, s_pb, pos.stride(1),
+        q, k, qo, ko, inv_freq if offsets is None else offsets, inv_freq, H, Hkv, n,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
-        HALF=half, BLOCK_H=block_h, BLOCK_F=block_f, num_warps=4)
+        HAS_OFF=offsets is not None, HALF=half, BLOCK_H=block_h, BLOCK_F=block_f, num_warps=4)
     return qo, ko
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, d, s_x, s_y, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, d, s_x, s_r, s_s, s_y, eps,
+                     HAS_R: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: s = x + r rounded to s's dtype (stored), y = (s / rms(s)) rounded, times the weight."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < d
     x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_R:
+        x = x + tl.load(r_ptr + row * s_r + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * s_s + offs, x, mask=mask)
+        x = x.to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(x * x, 0) / d + eps)
     normed = (x * r).to(y_ptr.dtype.element_ty).to(tl.float32)  # the Llama convention: round, then the weight
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * s_y + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x / rms(x)) rounded to x's dtype, times weight: x [..., d] with unit last stride, one program
-    per row."""
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _new(shape, like: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    return out.fill_(float("nan")) if poison_outputs() else out
+
+
+def add_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
+    """(s, y): s = x + residual (x alone when residual is None) and y = (s / rms(s)) rounded to x's
+    dtype, times weight; x, residual [..., d] with unit last stride, one program per row. The residual
+    add of a pre-norm block fused with the next norm: s is the block's new residual stream."""
     d = x.shape[-1]
-    x2 = x.reshape(-1, d)
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    x2 = _rows(x)
+    r2 = x2 if residual is None else _rows(residual)
+    y = _new(x2.shape, x)
+    s = x2 if residual is None else _new(x2.shape, x)
     if x2.shape[0] and d:
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, d, x2.stride(0), y.stride(0), float(eps),
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, s, y, d, x2.stride(0), r2.stride(0), s.stride(0),
+                                         y.stride(0), float(eps), HAS_R=residual is not None,
                                          BLOCK=next_pow2(d), num_warps=4 if d <= 2048 else 8)
-    return y.view(x.shape)
+    return s.view(x.shape), y.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x / rms(x)) rounded to x's dtype, times weight: x [..., d] with unit last stride."""
+    return add_rms_norm(x, None, weight, eps)[1]
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, d, s_g, s_u, s_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < d
+    g = tl.load(g_ptr + row * s_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * s_u + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty).to(tl.float32)  # F.silu's rounding, then the product
+    tl.store(o_ptr + row * s_o + offs, (act * u).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (SwiGLU's activation) in one pass: gate, up [..., d] with unit last stride."""
+    d = gate.shape[-1]
+    g2, u2 = _rows(gate), _rows(up)
+    out = _new(g2.shape, gate)
+    block = min(next_pow2(max(d, 1)), 1024)
+    if g2.shape[0] and d:
+        _silu_mul_kernel[(g2.shape[0], -(-d // block))](g2, u2, out, d, g2.stride(0), u2.stride(0), out.stride(0),
+                                                       BLOCK=block, num_warps=4)
+    return out.view(gate.shape)
+
+
+@triton.jit
+def _rotary_packed_kernel(x_ptr, o_ptr, freq_ptr, N, R, s_b, s_n, s_r, so_b, so_n, so_r, sign,
+                          D: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (sequence b, position n): R rows of D dims, the first 2 * HALF rotated by the
+    angles n * freq (dim j pairs with j + HALF; sign -1 rotates back: the backward), the rest copied."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // N
+    n = pid - b * N
+    offs_d = tl.arange(0, BLOCK_D)
+    j = tl.where(offs_d < HALF, offs_d, offs_d - HALF)
+    rot = offs_d < 2 * HALF
+    angle = n.to(tl.float32) * tl.load(freq_ptr + j, mask=rot, other=0.0)
+    cos = tl.cos(angle)[None, :]
+    sin = (sign * tl.where(offs_d < HALF, -1.0, 1.0) * tl.sin(angle))[None, :]
+    partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+    for r0 in range(0, R, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        base = x_ptr + b * s_b + n * s_n + rows[:, None] * s_r
+        mask = (rows < R)[:, None] & (offs_d < D)[None, :]
+        x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(base + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
+        out = tl.where(rot[None, :], x * cos + xp * sin, x)
+        tl.store(o_ptr + b * so_b + n * so_n + rows[:, None] * so_r + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def _rotary_packed(t: torch.Tensor, inv_freq: torch.Tensor, n_rot: int, sign: float) -> torch.Tensor:
+    B, N = t.shape[:2]
+    D = t.shape[-1]
+    rows = t.reshape(B, N, -1, D)  # the heads of one position as rows (a view for the layers' layouts)
+    out = _new(t.shape, t)
+    o3 = out.view(B, N, -1, D)
+    R = rows.shape[2]
+    if B * N * R and D:
+        block_d = next_pow2(D)
+        _rotary_packed_kernel[(B * N,)](rows, o3, inv_freq, N, R, rows.stride(0), rows.stride(1), rows.stride(2),
+                                        o3.stride(0), o3.stride(1), o3.stride(2), float(sign), D=D, HALF=n_rot // 2,
+                                        BLOCK_R=max(1, min(next_pow2(R), 4096 // block_d)), BLOCK_D=block_d,
+                                        num_warps=4)
+    return out
+
+
+class _RotaryPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, inv_freq, n_rot):
+        ctx.save_for_backward(inv_freq)
+        ctx.n_rot = n_rot
+        return _rotary_packed(t, inv_freq, n_rot, 1.0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (inv_freq,) = ctx.saved_tensors
+        return _rotary_packed(grad.contiguous(), inv_freq, ctx.n_rot, -1.0), None, None
+
+
+def rotary_packed(t: torch.Tensor, inv_freq: torch.Tensor, n_rot: int) -> torch.Tensor:
+    """t [B, N, ..., D] (positions 0..N-1 along dim 1, unit last stride) with the first n_rot dims of
+    every row rotated (rotate-half pairing: dim j with j + n_rot / 2) by the angles position * inv_freq
+    ([n_rot / 2] fp32), the rest copied; a new contiguous tensor of t's dtype. Differentiable (the
+    backward rotates the gradient back, one kernel)."""
+    return _RotaryPacked.apply(t, inv_freq, n_rot)
+
+
+def packed_rotary_wanted(t: torch.Tensor) -> bool:
+    """The packed rotary kernel serves t: CUDA, unit last stride, eager (not traced), plain tensor,
+    and [B, N, ...] views as rows of D (the layers' packed projections)."""
+    from flashswitch._common import eager_autograd_path
+    if not (t.is_cuda and t.stride(-1) == 1 and eager_autograd_path(t)):
+        return False
+    try:
+        t.view(t.shape[0], t.shape[1], -1, t.shape[-1])
+    except RuntimeError:
+        return False
+    return True

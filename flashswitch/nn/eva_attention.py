@@ -10,6 +10,7 @@ from torch import nn
 
 from flashswitch import _common as C
 from flashswitch.cache import EvaCache
+from flashswitch.nn._projections import qkv_projection
 from flashswitch.nn.rotary import Rotary
 from flashswitch.ops.chunk_summaries import chunk_summaries
 from flashswitch.ops.eva_attention import WINDOWS, eva_attention
@@ -112,9 +113,7 @@ class EvaAttention(nn.Module):
         B, N, _ = x.shape
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x has {x.shape[-1]} features, expected hidden_size={self.hidden_size}")
-        q = self.q_proj(x).view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = qkv_projection(self, x)
         if self.rotary is not None:
             q, k = self.rotary.rotate_qk(q, k, cache)
         if cache is None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from flashswitch import _common as C
 from flashswitch.nn.eva_attention import EvaAttention
+from flashswitch.nn._projections import qkv_projection
 from flashswitch.nn.rotary import Rotary
 
 ATTENTIONS = ("sdpa", "eva")
@@ -213,9 +214,7 @@ class SdpaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: Optional[StaticKVCache] = None,
                 lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, N, _ = x.shape
-        q = self.q_proj(x).view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = qkv_projection(self, x)
         q, k = self.rotary.rotate_qk(q, k, cache)
         if cache is None:
             if lengths is not None:
@@ -239,12 +238,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype == self.weight.dtype:
-            from flashswitch.kernels_triton import layer_ops
-            if layer_ops.fused_wanted(x, self.weight):  # inference: one kernel
-                return layer_ops.rms_norm(x, self.weight, self.eps)
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return self.add(x, None)[1]
+
+    def add(self, x: torch.Tensor, residual: Optional[torch.Tensor]):
+        """(s, norm(s)) with s = x + residual (x when residual is None): a pre-norm block's residual add
+        and the norm after it, one kernel in inference."""
+        from flashswitch.kernels_triton import layer_ops
+        if x.dtype == self.weight.dtype and (residual is None or residual.dtype == x.dtype) \
+                and layer_ops.fused_wanted(x, self.weight, *([] if residual is None else [residual])):
+            return layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        s = x if residual is None else x + residual
+        sf = s.float()
+        return s, (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + self.eps)).to(s.dtype) * self.weight
 
 
 class SwiGLU(nn.Module):
@@ -255,7 +260,11 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        from flashswitch.kernels_triton import layer_ops
+        if layer_ops.fused_wanted(g, u):  # inference on CUDA: silu and the product in one kernel
+            return self.down_proj(layer_ops.silu_mul(g, u))
+        return self.down_proj(F.silu(g) * u)
 
 
 class DecoderBlock(nn.Module):
@@ -267,8 +276,16 @@ class DecoderBlock(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, device=device, dtype=dtype)
 
     def forward(self, x, cache=None, lengths=None):
-        x = x + self.attn(self.input_norm(x), cache, lengths)
-        return x + self.mlp(self.post_norm(x))
+        x, h = self.residual_forward(x, None, cache, lengths)
+        return x + h
+
+    def residual_forward(self, x, pending, cache=None, lengths=None):
+        """The block on the residual stream x + pending (pending: the previous block's MLP output not
+        yet added, or None): returns (that stream after attention, this block's MLP output), so each
+        residual add runs fused with the norm after it."""
+        x, h = self.input_norm.add(x, pending)
+        x, h = self.post_norm.add(x, self.attn(h, cache, lengths))
+        return x, self.mlp(h)
 
 
 # ---------------------------------------------------------------- the model
@@ -338,15 +355,16 @@ class LlamaLM(nn.Module):
         C.check_tensor("tokens", tokens, ndim=2, dtypes=(torch.int32, torch.int64))
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} layers, the model {len(self.layers)}")
-        x = self.embed(tokens)
+        x, h = self.embed(tokens), None
         for i, block in enumerate(self.layers):
-            x = block(x, None if cache is None else cache[i], lengths)
+            x, h = block.residual_forward(x, h, None if cache is None else cache[i], lengths)
         if last_only:
             if lengths is None:
-                x = x[:, -1:]
+                x, h = x[:, -1:], h[:, -1:]
             else:  # each sequence's last real position, picked on the device
-                x = x.gather(1, (lengths.long() - 1).clamp(min=0)[:, None, None].expand(x.shape[0], 1, x.shape[2]))
-        x = self.norm(x)
+                at = (lengths.long() - 1).clamp(min=0)[:, None, None].expand(x.shape[0], 1, x.shape[2])
+                x, h = x.gather(1, at), h.gather(1, at)
+        x = self.norm.add(x, h)[1]
         return F.linear(x, self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
 

@@ -40,11 +40,10 @@ class Rotary(torch.nn.Module):
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, cache=None):
         """q, k [B, H, n, D] of n new tokens rotated at their positions: 0..n-1 without a cache or with an
         empty one, else after each sequence's length (`cache.lengths`, on the device: no host value)."""
+        offsets = None if cache is None or cache.empty else cache.lengths
+        from flashswitch.kernels_triton import layer_ops
+        if q.dtype == k.dtype and layer_ops.fused_wanted(q, k):  # inference on CUDA: one kernel for q and k
+            return layer_ops.rotary_qk(q, k, self.inv_freq, offsets)
         steps = torch.arange(q.shape[-2], device=q.device)
-        pos = steps if cache is None or cache.empty else cache.lengths[:, None] + steps
-        if q.is_cuda and q.dtype == k.dtype:
-            from flashswitch.kernels_triton import layer_ops
-            if layer_ops.fused_wanted(q, k):  # inference: one kernel for q and k
-                return layer_ops.rotary_qk(q, k, pos, self.inv_freq)
-        cos, sin = self.cos_sin(pos)
+        cos, sin = self.cos_sin(steps if offsets is None else offsets[:, None] + steps)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
