@@ -138,8 +138,9 @@ class DenseAttention(nn.Module):
         B, N, _ = x.shape
         H, D = self.num_heads, self.head_dim
         qkv = F.linear(x, self.qkv).view(B, N, 3, H, D)
-        qk = rotate_packed(qkv[:, :, :2], self.n_rot, self.rope_base)
-        q, k, v = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
+        qk, v = qkv.split([2, 1], dim=2)
+        q, k = (t.transpose(1, 2) for t in rotate_packed(qk, self.n_rot, self.rope_base).unbind(2))
+        v = v.squeeze(2).transpose(1, 2)
         a = causal_attention(q, k, v, attention=self.attention, backend=self.backend, **self.eva)
         return F.linear(a.transpose(1, 2).reshape(B, N, H * D), self.out)
 

@@ -225,7 +225,7 @@ class SwitchHeadAttention(nn.Module):
         x2 = x.reshape(T, d).to(dt)
         v, output = self.values(x2)
         qk = rotate_packed(F.linear(x2, self.qk.to(dt)).view(B, N, 2, H, D), self.n_rot, self.rope_base)
-        q, k = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2)
+        q, k = (t.transpose(1, 2) for t in qk.unbind(2))  # unbind: one gradient kernel (stack), not two scatters
         a = causal_attention(q, k, v.view(B, N, H, D).transpose(1, 2), attention=self.attention,
                              eva_chunk_size=self.eva_chunk_size, eva_window_size=self.eva_window_size,
                              eva_window=self.eva_window, backend=self.backend)
@@ -239,11 +239,12 @@ class SwitchHeadAttention(nn.Module):
         ids, gates = self.select(x2)
         v_route = route(ids[0], H * E, check=False)
         o_route = route(ids[1], H * E, check=False)
-        v = expert_matmul(x2, v_route, matmul_weight(self.v_experts, dt), gates=gates[0], out_groups=H,
+        v_gates, o_gates = gates.unbind(0)
+        v = expert_matmul(x2, v_route, matmul_weight(self.v_experts, dt), gates=v_gates, out_groups=H,
                           backend=self.backend)
 
         def output(a: torch.Tensor) -> torch.Tensor:
-            return expert_matmul(a, o_route, matmul_weight(self.o_experts, dt), gates=gates[1], out_groups=1,
+            return expert_matmul(a, o_route, matmul_weight(self.o_experts, dt), gates=o_gates, out_groups=1,
                                  backend=self.backend)
 
         return v, output
