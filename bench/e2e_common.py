@@ -55,13 +55,16 @@ def build(size: str, variant: str, impl: str = "flashswitch", *, device="cpu", *
     return to_paper_style(model) if impl != "flashswitch" else model
 
 
-def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    """AdamW over fp32 master weights; the fused implementation where this torch has it for the device."""
+def make_optimizer(model: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.0, *,
+                   capturable: bool = False) -> torch.optim.Optimizer:
+    """AdamW over fp32 master weights; the fused implementation where this torch has it for the device
+    (`capturable`: its step count on the device, as a CUDA-graph-captured step needs)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    kw = dict(lr=lr, weight_decay=weight_decay, **({"capturable": True} if capturable else {}))
     try:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+        return torch.optim.AdamW(params, fused=True, **kw)
     except (RuntimeError, ValueError, TypeError):
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, **kw)
 
 
 def amp_dtype(device) -> torch.dtype | None:
@@ -83,6 +86,39 @@ def train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | None = No
         scheduler.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def capture(fn, *, reset=None, warmup: int = 3) -> "torch.cuda.CUDAGraph":
+    """fn captured in a CUDA graph, after `warmup` calls on a side stream (as torch.cuda.graph asks);
+    reset() runs before each warmup call and before the capture (e.g. gradients set to None, so the
+    captured backward writes them instead of accumulating). replay() then re-runs fn's kernels with
+    no host work: the time a graph-captured training loop pays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            if reset is not None:
+                reset()
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    if reset is not None:
+        reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def captured_train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | None = None):
+    """train_step (without clipping) captured in a CUDA graph on the static batch `tokens` (copy the
+    next batch into it before each replay); `opt` must be capturable (make_optimizer)."""
+    def step():
+        with torch.autocast(tokens.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            loss = model.loss(tokens)
+        loss.backward()
+        opt.step()
+
+    return capture(step, reset=lambda: opt.zero_grad(set_to_none=True))
 
 
 def time_calls(fn, *, warmup: int, reps: int, device) -> list[float]:

@@ -15,6 +15,9 @@ models  one training step (forward + backward + fused AdamW, bf16 autocast over 
         kernels with time proportional to MACs would reach.
 layers  the attention layer alone at a size's width, forward + backward: SwitchHead against the dense
         layer (q/k/v/o projections + SDPA flash).
+On CUDA both parts also time the step (or layer call) captured in a CUDA graph ("graph ms": the GPU's
+time without the host's per-op work, what a graph-captured training loop pays; --no-graph skips it)
+next to the eager time a plain loop pays.
 Both parts run every --impls: "flashswitch" (the library's layers), "paper" (attention as the paper's
 code writes it: a boolean causal mask given to SDPA, torch.cat for rotary and heads;
 bench/paper_attention.py), "paper_torch" (paper-style attention, every op on the PyTorch reference).
@@ -108,6 +111,8 @@ def model_rows(args, device) -> list[dict]:
                         print(f"{size:>5} {variant:>10} {impl:>11} T={T:<5} B={B:<3} {med:9.2f} ms/step "
                               f"{row['tokens_per_s'] / 1e3:9.1f} k tok/s  peak {row.get('peak_GiB', 0):6.2f} GiB",
                               flush=True)
+                        if args.graph:
+                            row.update(_graphed_model_step(model, batches, amp, args, device))
                     except Exception as err:  # noqa: BLE001
                         row = _failure(row, err)
                         opt.zero_grad(set_to_none=True)
@@ -115,6 +120,55 @@ def model_rows(args, device) -> list[dict]:
                 del model, opt
     E.free_memory(device)
     return rows
+
+
+def _graphed_model_step(model, batches, amp, args, device) -> dict:
+    """The same step captured in a CUDA graph (a capturable AdamW of its own): graph_ms, the step's
+    GPU time without the host's per-op work, or graph_error."""
+    try:
+        opt = E.make_optimizer(model, capturable=True)
+        static = batches[0].clone()
+        graph = E.captured_train_step(model, opt, static, amp=amp)
+        turn = [0]
+
+        def replay():
+            turn[0] += 1
+            static.copy_(batches[turn[0] % 2])
+            graph.replay()
+
+        ms = E.median(E.time_calls(replay, warmup=1, reps=args.steps, device=device))
+        print(f"{'':>30} graph-captured {ms:9.2f} ms/step", flush=True)
+        return {"graph_ms": ms}
+    except Exception as err:  # noqa: BLE001 (the eager row stands)
+        traceback.print_exc()
+        return {"graph_error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
+    finally:
+        for p in model.parameters():
+            p.grad = None
+
+
+def _graphed_layer(m, x, dy, amp, args, device) -> dict:
+    """The layer's forward + backward captured in a CUDA graph: graph_ms or graph_error."""
+    params = [x] + list(m.parameters())
+
+    def fwd_bwd():
+        with torch.autocast(x.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            y = m(x)
+        y.backward(dy)
+
+    def reset():
+        for p in params:
+            p.grad = None
+
+    try:
+        graph = E.capture(fwd_bwd, reset=reset)
+        ms = E.median(E.time_calls(graph.replay, warmup=1, reps=args.steps, device=device))
+        return {"graph_ms": ms}
+    except Exception as err:  # noqa: BLE001
+        traceback.print_exc()
+        return {"graph_error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
+    finally:
+        reset()
 
 
 # ---------------------------------------------------------------- the attention layer alone
@@ -160,8 +214,10 @@ def layer_rows(args, device) -> list[dict]:
                     row.update(ms=E.median(ms), ms_min=min(ms), ms_steps=ms)
                     if torch.device(device).type == "cuda":
                         row["peak_GiB"] = torch.cuda.max_memory_allocated() / GiB
+                    if args.graph:
+                        row.update(_graphed_layer(m, x, dy, amp, args, device))
                     print(f"layer {args.layer_size} {layer:>10} {impl:>11} T={T:<5} B={B:<3} {row['ms']:9.3f} ms "
-                          "fwd+bwd", flush=True)
+                          f"fwd+bwd, graph-captured {_f(row.get('graph_ms'), '.3f', ' ms')}", flush=True)
                     del m, x, dy, params
                 except Exception as err:  # noqa: BLE001
                     row = _failure(row, err)
@@ -181,6 +237,15 @@ def _size(name: str) -> int:
 
 def _index(rows, *keys):
     return {tuple(r.get(k) for k in keys): r for r in rows if r.get("ms") is not None}
+
+
+def _graph_cells(r: dict, dense) -> str:
+    """The graph-captured time and its speedup over dense's ("-" where not measured)."""
+    g = r.get("graph_ms")
+    if g is None:
+        return f"{'failed' if r.get('graph_error') else '-'} | -"
+    dg = dense.get("graph_ms") if dense else None
+    return f"{g:.3f} | {_f(dg / g if dg else None, '.2f', 'x')}"
 
 
 def markdown(data: dict) -> str:
@@ -205,14 +270,17 @@ def markdown(data: dict) -> str:
                 "speedup vs dense: dense step time / this step time, same size, T and impl; % of ideal: that "
                 "speedup over the MAC ratio; vs paper: the paper-style step time of the same variant / this one. "
                 "model TFLOP/s: 6 x forward MACs per token x tokens / step time.", "",
+                "graph: the same step captured in a CUDA graph (no host work per op), and its speedup over "
+                "dense's graph-captured step.", "",
                 "| size | T | B | variant | impl | step ms | k tokens/s | peak GiB | model TFLOP/s | ideal speedup "
-                "| speedup vs dense | % of ideal | vs paper |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| speedup vs dense | % of ideal | vs paper | graph step ms | graph speedup vs dense |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         order = {v: i for i, v in enumerate(models.VARIANTS)}
         for r in sorted(mrows, key=lambda r: (_size(r["size"]), r["seq_len"], order.get(r["variant"], 9),
                                               E.IMPLS.index(r["impl"]) if r["impl"] in E.IMPLS else 9)):
             head = f"| {r['size']} | {r['seq_len']} | {r.get('batch', '-')} | {r['variant']} | {r['impl']} |"
             if r.get("ms") is None:
-                out.append(f"{head} {r.get('error', 'not run')} | | | | | | | |")
+                out.append(f"{head} {r.get('error', 'not run')} | | | | | | | | | |")
                 continue
             dense = idx.get((r["size"], "dense", r["impl"], r["seq_len"], r["tokens"]))
             paper = idx.get((r["size"], r["variant"], "paper", r["seq_len"], r["tokens"]))
@@ -222,24 +290,25 @@ def markdown(data: dict) -> str:
             out.append(f"{head} {r['ms']:.2f} | {r['tokens_per_s'] / 1e3:.1f} | {_f(r.get('peak_GiB'), '.2f')} | "
                        f"{r['model_TFLOPs']:.1f} | {_f(ide, '.2f', 'x')} | {_f(sp, '.2f', 'x')} | "
                        f"{_f(sp / ide * 100 if sp and ide and r['variant'] != 'dense' else None, '.0f', '%')} | "
-                       f"{_f(vs_paper, '.2f', 'x')} |")
+                       f"{_f(vs_paper, '.2f', 'x')} | {_graph_cells(r, dense)} |")
         out.append("")
     if lrows:
         idx = _index(lrows, "size", "layer", "impl", "seq_len", "tokens")
         out += [f"## Attention layer alone, forward + backward, autocast {data.get('amp')}", "",
-                "| width | layer | impl | T | B | ms | MMAC/token | ideal speedup | speedup vs dense | vs paper |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "| width | layer | impl | T | B | ms | MMAC/token | ideal speedup | speedup vs dense | vs paper "
+                "| graph ms | graph speedup vs dense |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(lrows, key=lambda r: (_size(r["size"]), r["seq_len"], r["layer"], r["impl"])):
             head = f"| {r['size']} | {r['layer']} | {r['impl']} | {r['seq_len']} | {r.get('batch', '-')} |"
             if r.get("ms") is None:
-                out.append(f"{head} {r.get('error', 'not run')} | | | | |")
+                out.append(f"{head} {r.get('error', 'not run')} | | | | | | |")
                 continue
             dense = idx.get((r["size"], "dense", r["impl"], r["seq_len"], r["tokens"]))
             paper = idx.get((r["size"], r["layer"], "paper", r["seq_len"], r["tokens"]))
             ide = dense["macs_per_token"] / r["macs_per_token"] if dense else None
             vs_paper = paper["ms"] / r["ms"] if paper and r["impl"] != "paper" else None
             out.append(f"{head} {r['ms']:.3f} | {r['macs_per_token'] / 1e6:.4g} | {_f(ide, '.2f', 'x')} | "
-                       f"{_f(dense['ms'] / r['ms'] if dense else None, '.2f', 'x')} | {_f(vs_paper, '.2f', 'x')} |")
+                       f"{_f(dense['ms'] / r['ms'] if dense else None, '.2f', 'x')} | {_f(vs_paper, '.2f', 'x')} | "
+                       f"{_graph_cells(r, dense)} |")
         out.append("")
     return "\n".join(out)
 
@@ -319,6 +388,8 @@ def main(argv=None) -> int:
     p.add_argument("--layer-size", default="262M", choices=E.SIZES, help="width of the attention-layer part")
     p.add_argument("--layer-seq-lens", nargs="+", type=int, default=[1024, 4096])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-graph", dest="graph", action="store_false",
+                   help="skip the CUDA-graph-captured timing of each step and layer (CUDA only)")
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<device>/)")
     args = p.parse_args(argv)
     for name in ("tokens", "steps"):
@@ -327,6 +398,7 @@ def main(argv=None) -> int:
     if min(args.seq_lens + args.layer_seq_lens) < 1 or args.warmup < 0:
         p.error("sequence lengths must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
+    args.graph = args.graph and device.type == "cuda"
     folder = args.out or E.default_out_dir(device)
     sections = {"macs": mac_rows(args.sizes, args.seq_lens)}
     if "models" in args.parts:

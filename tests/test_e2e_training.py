@@ -184,6 +184,10 @@ def test_e2e_training_script(tmp_path):
         ("dense", "paper", 16)}
     for r in data["models"] + data["layers"]:
         assert "error" not in r and r["ms"] > 0, r
+        if torch.cuda.is_available():  # the graph-captured step and layer too
+            assert "graph_error" not in r and r["graph_ms"] > 0, r
+        else:
+            assert "graph_ms" not in r
     assert {(r["layer"], r["impl"]) for r in data["layers"]} == {
         (l, i) for l in ("dense", "switchhead") for i in ("flashswitch", "paper")}
     sh = next(r for r in data["macs"] if r["variant"] == "switchhead" and r["seq_len"] == 8)
@@ -192,6 +196,19 @@ def test_e2e_training_script(tmp_path):
     assert "| tiny | 8 | 4 | switchhead | flashswitch |" in md and "| tiny | 16 | 2 | dense | paper |" in md
     assert "Attention layer alone" in md
     assert (tmp_path / "e2e_training.png").stat().st_size > 0
+
+
+def test_graph_columns():
+    """The graph-captured times and their speedup over dense's in both tables; a failed capture shows."""
+    row = dict(size="tiny", seq_len=8, batch=4, tokens=32, impl="flashswitch", tokens_per_s=1e3, model_TFLOPs=1.0)
+    data = {"macs": [], "models": [{**row, "variant": "dense", "ms": 4.0, "graph_ms": 2.0},
+                                   {**row, "variant": "switchhead", "ms": 8.0, "graph_ms": 1.0},
+                                   {**row, "variant": "switchall", "ms": 8.0, "graph_error": "RuntimeError: x"}],
+            "layers": [{**row, "layer": "dense", "ms": 2.0, "macs_per_token": 2.0, "graph_ms": 1.5},
+                       {**row, "layer": "switchhead", "ms": 3.0, "macs_per_token": 1.0, "graph_ms": 0.5}]}
+    md = e2e_training.markdown(data)
+    assert "| 1.000 | 2.00x |" in md and "| failed | - |" in md and "| 0.500 | 3.00x |" in md
+    assert "| 2.000 | 1.00x |" in md
 
 
 def _text_file(path: Path) -> Path:
