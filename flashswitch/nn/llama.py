@@ -253,14 +253,17 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); the gate and up projections are one [2 * hidden, dim] matrix (gate
+    rows first): one GEMM for both."""
+
     def __init__(self, dim: int, hidden: int, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype, bias=False)
-        self.gate_proj, self.up_proj = nn.Linear(dim, hidden, **kw), nn.Linear(dim, hidden, **kw)
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, **kw)
         self.down_proj = nn.Linear(hidden, dim, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate_proj(x), self.up_proj(x)
+        g, u = self.gate_up_proj(x).chunk(2, dim=-1)
         from flashswitch.kernels_triton import layer_ops
         if layer_ops.fused_wanted(g, u):  # inference on CUDA: silu and the product in one kernel
             return self.down_proj(layer_ops.silu_mul(g, u))
