@@ -162,8 +162,10 @@ def write_tables(data: dict, folder: Path) -> Path:
                      f"{_fmt(sp, '.2f')}x | {_fmt(ideal.get((size, n, m)), '.2f')}x | "
                      f"{_fmt(r.get('peak_bytes') and r['peak_bytes'] / GiB, '.1f')} |")
     lines += ["", "## Decode (one CUDA-graph-captured step per token)", "",
+              "GPU ops / step: the kernels, copies and fills one step issues (torch profiler over its first, "
+              "eager run), which each replay runs back to back.", "",
               "| size | context | method | decode kernel | batch | ms / step | tokens/s | vs sdpa (same batch label) | "
-              "KV MiB / sequence | peak GiB |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+              "KV MiB / sequence | peak GiB | GPU ops / step |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for (size, n, m, label), r in dec.items():
         base = dec.get((size, n, "sdpa", label))
         sp = r["tokens_per_s"] / base["tokens_per_s"] if base and r.get("tokens_per_s") and base.get(
@@ -172,7 +174,8 @@ def write_tables(data: dict, folder: Path) -> Path:
         lines.append(f"| {size} | {n} | {m} | {r.get('decode_kernel', '?')} | {batch} | {_fmt(r.get('ms'), '.2f')} | "
                      f"{_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(sp, '.2f')}x | "
                      f"{_fmt(r.get('kv_bytes_per_seq') and r['kv_bytes_per_seq'] / MiB, ',.1f')} | "
-                     f"{_fmt(r.get('peak_bytes') and r['peak_bytes'] / GiB, '.1f')} |")
+                     f"{_fmt(r.get('peak_bytes') and r['peak_bytes'] / GiB, '.1f')} | "
+                     f"{_fmt(r.get('kernels_per_step'), 'd')} |")
     if any(r.get("method") == "sdpa" and r.get("decode_kernel") == "masked" for r in dec.values()):
         lines += ["", "The `sdpa` rows decoded with masked SDPA (flash attention's variable-length kernel "
                   "was unavailable in that run): not the flash baseline the comparison is meant against."]
@@ -360,6 +363,19 @@ def run_prefill(model, method: str, P: int, max_len: int, reps: int, seed: int):
     return row, caches, out["logits"][:, -1].argmax(-1, keepdim=True)
 
 
+def count_kernels(fn) -> int | None:
+    """fn() run once under the torch profiler: how many GPU operations (kernels, copies, fills) it
+    issued, the count a captured step replays (None where the profiler cannot record them)."""
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) or None
+    except Exception:  # noqa: BLE001 (a profiler that cannot start only costs the column)
+        fn()
+        return None
+
+
 def run_decode(model, src_caches, first_token, B: int, P: int, max_len: int, steps: int) -> dict:
     """One captured decode step for batch B from the state of `src_caches` (batch 1), timed over `steps` replays."""
     torch.cuda.reset_peak_memory_stats()
@@ -378,7 +394,7 @@ def run_decode(model, src_caches, first_token, B: int, P: int, max_len: int, ste
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            step()  # eager: compiles, and is the first decoded token
+            kernels = count_kernels(step)  # eager: compiles, and is the first decoded token
         torch.cuda.current_stream().wait_stream(side)
         free_memory()  # the eager step's temporaries go back, so the graph's own pool can take that memory
         graph = torch.cuda.CUDAGraph()
@@ -395,6 +411,7 @@ def run_decode(model, src_caches, first_token, B: int, P: int, max_len: int, ste
     ms = a.elapsed_time(b) / steps
     want = P + 1 + WARM_REPLAYS + steps
     row = {"kind": "decode", "batch": B, "ms": ms, "tokens_per_s": B / ms * 1e3, "kv_bytes_per_seq": kv,
+           "kernels_per_step": kernels,
            "peak_bytes": torch.cuda.max_memory_allocated(), "steps": steps,
            "finite": bool(torch.isfinite(logits).all()),
            "lengths_ok": bool((caches[0].lengths == want).all())}
