@@ -366,13 +366,16 @@ def run_prefill(model, method: str, P: int, max_len: int, reps: int, seed: int):
 def count_kernels(fn) -> int | None:
     """fn() run once under the torch profiler: how many GPU operations (kernels, copies, fills) it
     issued, the count a captured step replays (None where the profiler cannot record them)."""
+    ran = False
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            ran = True
             fn()
             torch.cuda.synchronize()
         return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) or None
-    except Exception:  # noqa: BLE001 (a profiler that cannot start only costs the column)
-        fn()
+    except Exception:  # noqa: BLE001 (a profiler that cannot start or read back only costs the column)
+        if not ran:
+            fn()
         return None
 
 
