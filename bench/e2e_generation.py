@@ -365,17 +365,27 @@ def run_prefill(model, method: str, P: int, max_len: int, reps: int, seed: int):
 
 def count_kernels(fn) -> int | None:
     """fn() run once under the torch profiler: how many GPU operations (kernels, copies, fills) it
-    issued, the count a captured step replays (None where the profiler cannot record them)."""
-    ran = False
+    issued, the count a captured step replays (None where the profiler cannot record them). fn's own
+    errors (out of memory) propagate."""
     try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            ran = True
-            fn()
-            torch.cuda.synchronize()
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        prof.__enter__()
+    except Exception:  # noqa: BLE001 (a profiler that cannot start only costs the column)
+        prof = None
+    try:
+        fn()
+        torch.cuda.synchronize()
+    finally:
+        if prof is not None:
+            try:
+                prof.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001
+                prof = None
+    if prof is None:
+        return None
+    try:
         return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) or None
-    except Exception:  # noqa: BLE001 (a profiler that cannot start or read back only costs the column)
-        if not ran:
-            fn()
+    except Exception:  # noqa: BLE001
         return None
 
 
