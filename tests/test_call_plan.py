@@ -2,6 +2,7 @@
 a cache hit skips the checks, the backend choice and the config lookup but still rejects every bad
 argument, and a write to the tuned-config store or a changed environment setting starts the caches
 over."""
+import importlib
 import json
 import math
 import os
@@ -404,6 +405,17 @@ def test_eager_autograd_path_equals_the_custom_op(op, monkeypatch):
     monkeypatch.setattr(module, CUSTOM_OPS[op], lambda *a: calls.append(1) or real(*a))
     outs, grads = run()
     assert not calls
+    # a second call of the signature: its backward is prepared already (no config lookup, no prepare)
+    lookups, real_config = [], call_plan.config
+    monkeypatch.setattr(call_plan, "config", lambda *a, **kw: lookups.append(a) or real_config(*a, **kw))
+    bwd = importlib.import_module(f"flashswitch.kernels_triton.{op}_bwd")
+    monkeypatch.setattr(bwd, "prepare", lambda *a, **kw: lookups.append("prepare"))
+    again, grads_again = run()
+    assert not lookups and not calls
+    for a, b in zip(outs + list(grads), again + list(grads_again)):
+        assert torch.equal(a, b)
+    monkeypatch.undo()
+    monkeypatch.setattr(module, CUSTOM_OPS[op], lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(C, "eager_autograd_path", lambda *tensors: False)
     outs2, grads2 = run()
     assert calls

@@ -380,6 +380,24 @@ def test_bias_dtype_gradient(backend):
     _check(got, p, do, None)
 
 
+def test_batches_past_the_grid_limit_run_in_slices(backend, monkeypatch):
+    """(batch, head) on grid axis 1: past CUDA's limit the backward runs slices of the batch, with the
+    gradients of one launch over all of it (bitwise, the limit lowered here)."""
+    from flashswitch.kernels_triton import eva_attention_bwd
+    p = random_problem(3, 4, 2, None, 30, 16, 2, 8, summary_bias="tensor", device=DEVICE, seed=11)
+    do, dlse = _upstream(p, 8)
+    ins, b, rest = _split(p)
+    cfg = dict(SMALL, SUM_SPLITS=2)
+    whole = op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
+    monkeypatch.setattr(eva_attention_bwd, "MAX_GRID_Y", 9)  # two sequences of 4 heads per slice
+    sliced = op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
+    for name, x, y in zip(op.GRAD_INPUTS, whole, sliced):
+        assert torch.equal(x, y), name
+    monkeypatch.setattr(eva_attention_bwd, "MAX_GRID_Y", 3)  # fewer than the heads
+    with pytest.raises(ValueError, match="heads"):
+        op.run_backward(backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
+
+
 @pytest.mark.parametrize("split_loops", [False, True])
 def test_deterministic(backend, split_loops):
     """Two backward calls give bitwise-equal gradients."""

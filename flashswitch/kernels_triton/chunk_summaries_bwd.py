@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from flashswitch._common import new_output
+from flashswitch.kernels_triton.kernel_call import KernelCall
 from flashswitch.kernels_triton.chunk_summaries import (LOG2E, _chunk_tile, _fit_tile, _key_logits, _load_omega_kw,
                                                         _load_piece, _online_softmax, _program_coords,
                                                         _round_strides, _row_strides, _safe_reciprocal,
@@ -232,14 +233,25 @@ def launch(k, v, omega, key_weight, valid, dk_sum, dv_sum, dlse, dk, dv, domega,
     (unit last stride); dlse: None (no gradient into lse) or [B, Hkv, Nc]. domega / dkey_weight: None
     where omega / key_weight is. config: BLOCK_CHUNKS, num_warps, optional BLOCK_J and num_stages.
     """
+    tensors = (k, v, omega, key_weight, valid, dk_sum, dv_sum, dlse, dk, dv, domega, dkey_weight)
+    prepare(*tensors, chunk_size=chunk_size, scale=scale, config=config)(*tensors)
+
+
+def prepare(k, v, omega, key_weight, valid, dk_sum, dv_sum, dlse, dk, dv, domega, dkey_weight, *,
+            chunk_size, scale, config, fast=False):
+    """The launch `launch` makes for these arguments, prepared from their metadata (shapes, strides,
+    dtypes, device; which of omega, key_weight, valid, dlse are given): an enqueue taking the 12 tensors
+    of a call with the same metadata, in `launch`'s order. The per-program partials of a per-head omega
+    and of key_weight are allocated, and summed in a fixed order, per call. fast: direct launches."""
     B, H, N, D = k.shape
     Nc = -(-N // int(chunk_size))
     C = min(int(chunk_size), max(N, 1))  # a chunk longer than N holds tokens [0, N): loop over those only
     if B * H * N == 0 or D == 0:  # no token or nothing to read: every gradient is 0
-        for g in (dk, dv, domega, dkey_weight):
-            if g is not None:
-                g.zero_()
-        return
+        def zero(*tensors):
+            for g in tensors[8:]:
+                if g is not None:
+                    g.zero_()
+        return zero
     BLOCK_CHUNKS, BLOCK_J, BLOCK_D, num_warps = tile(C, D, config)
     n_blocks = triton.cdiv(Nc, BLOCK_CHUNKS)
 
@@ -248,22 +260,21 @@ def launch(k, v, omega, key_weight, valid, dk_sum, dv_sum, dlse, dk, dv, domega,
     has_kw = key_weight is not None
     has_valid = valid is not None
     has_dlse = dlse is not None
+    device = k.device
+    part_shape = (B, H, n_blocks, D)  # fp32 partials, one row per program
+    part_strides = torch.empty(part_shape, device="meta").stride()[:3]
+
+    def omega_view(omega):
+        return omega if per_chunk else omega[None, :, None, :].expand(B, H, Nc, D)
+
     if has_omega:
-        om = omega if per_chunk else omega[None, :, None, :].expand(B, H, Nc, D)
-        so = om.stride()[:3]
-        # per-head omega: one fp32 partial row per program, summed below in a fixed order
-        dom = domega if per_chunk else new_output((B, H, n_blocks, D), torch.float32, k.device)
-        sdo = dom.stride()[:3]
+        so = omega_view(omega).stride()[:3]
+        sdo = domega.stride()[:3] if per_chunk else part_strides
     else:
-        om, so, dom, sdo = k, (0, 0, 0), k, (0, 0, 0)
-    if has_kw:
-        kw, skw = key_weight, key_weight.stride(0)
-        dkw = new_output((B, H, n_blocks, D), torch.float32, k.device)
-        sdkw = dkw.stride()[:3]
-    else:
-        kw, skw, dkw, sdkw = k, 0, k, (0, 0, 0)
-    vl, sval = _valid_arg(valid, k)
-    dl, sdl = (dlse, dlse.stride()) if has_dlse else (k, (0, 0, 0))
+        so, sdo = (0, 0, 0), (0, 0, 0)
+    skw, sdkw = (key_weight.stride(0), part_strides) if has_kw else (0, (0, 0, 0))
+    sval = _valid_arg(valid, k)[1]
+    sdl = dlse.stride() if has_dlse else (0, 0, 0)
 
     sk, sv, sdk, sdv = (_row_strides(t) for t in (k, v, dk, dv))
     sdks, sdvs = _row_strides(dk_sum), _row_strides(dv_sum)
@@ -273,20 +284,30 @@ def launch(k, v, omega, key_weight, valid, dk_sum, dv_sum, dlse, dk, dv, domega,
                 chunks_pad * max(so[2], sdo[2], sdks[2], sdvs[2], sdl[2]), n_blocks * sdkw[2]) + BLOCK_D
     offs_64 = FORCE_OFFS_64 or reach >= 2 ** 31 or N >= 2 ** 31
 
-    grid = (n_blocks * B * H,)
-    _chunk_summaries_bwd[grid](
-        k, v, om, kw, vl, dk_sum, dv_sum, dl, dk, dv, dom, dkw,
-        H, N, Nc, C, n_blocks,
-        *sk, *sv, *so, skw, sval[0], sval[1], *sdks, *sdvs, *sdl, *sdk, *sdv, *sdo, *sdkw,
-        float(scale), float(scale) * LOG2E,
-        HAS_OMEGA=has_omega, OMEGA_PER_CHUNK=per_chunk, HAS_KEY_WEIGHT=has_kw,
-        HAS_VALID=has_valid, HAS_DLSE=has_dlse,
-        ONE_PIECE=C <= BLOCK_J, EVEN_D=D == BLOCK_D, VEC=_vec(sk + sv + sdk + sdv, D, k.element_size()),
-        OFFS_64=offs_64, D=D,
-        BLOCK_CHUNKS=BLOCK_CHUNKS, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D,
-        num_warps=num_warps, num_stages=int(config.get("num_stages", 1)),
-    )
-    if has_omega and not per_chunk:
-        domega.copy_(dom.sum(dim=(0, 2)))
-    if has_kw:
-        dkey_weight.copy_(dkw.sum(dim=(0, 2)))
+    call = KernelCall(
+        _chunk_summaries_bwd, (n_blocks * B * H,), 12,
+        (H, N, Nc, C, n_blocks, *sk, *sv, *so, skw, sval[0], sval[1], *sdks, *sdvs, *sdl, *sdk, *sdv, *sdo, *sdkw,
+         float(scale), float(scale) * LOG2E),
+        dict(HAS_OMEGA=has_omega, OMEGA_PER_CHUNK=per_chunk, HAS_KEY_WEIGHT=has_kw, HAS_VALID=has_valid,
+             HAS_DLSE=has_dlse, ONE_PIECE=C <= BLOCK_J, EVEN_D=D == BLOCK_D,
+             VEC=_vec(sk + sv + sdk + sdv, D, k.element_size()), OFFS_64=offs_64, D=D,
+             BLOCK_CHUNKS=BLOCK_CHUNKS, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D),
+        dict(num_warps=num_warps, num_stages=int(config.get("num_stages", 1))), fast=fast)
+
+    def enqueue(k, v, omega, key_weight, valid, dk_sum, dv_sum, dlse, dk, dv, domega, dkey_weight):
+        if has_omega:
+            # per-head omega: one fp32 partial row per program, summed below in a fixed order
+            om = omega_view(omega)
+            dom = domega if per_chunk else new_output(part_shape, torch.float32, device)
+        else:
+            om = dom = k
+        dkw = new_output(part_shape, torch.float32, device) if has_kw else k
+        call(k, v, om, key_weight if has_kw else k, _valid_arg(valid, k)[0], dk_sum, dv_sum,
+             dlse if has_dlse else k, dk, dv, dom, dkw)
+        if has_omega and not per_chunk:
+            domega.copy_(dom.sum(dim=(0, 2)))
+        if has_kw:
+            dkey_weight.copy_(dkw.sum(dim=(0, 2)))
+
+    enqueue.calls = (call,)  # what it launches (tests)
+    return enqueue

@@ -34,9 +34,10 @@ import triton
 import triton.language as tl
 
 from flashswitch._common import new_output
-from flashswitch.kernels_triton.eva_attention import (BIAS_LOG_COUNT, BIAS_NONE, BIAS_TENSOR, MAX_HEAD_DIM,
-                                                      _add_summary_bias, _load_kv, _load_kv_block, _start,
-                                                      _tile_blocks)
+from flashswitch.kernels_triton.eva_attention import (BIAS_LOG_COUNT, BIAS_NONE, BIAS_TENSOR, MAX_GRID_Y,
+                                                      MAX_HEAD_DIM, _add_summary_bias, _load_kv, _load_kv_block,
+                                                      _nothing, _start, _tile_blocks)
+from flashswitch.kernels_triton.kernel_call import KernelCall
 
 LOG2E = 1.4426950408889634
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M_DQ", "BLOCK_N_DQ", "num_warps_dq",
@@ -518,6 +519,21 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv
     automatic) and KV_SPLIT_LOOPS (the dK/dV kernel walks its query tiles in three loops, the fully
     visible ones unmasked; default off) optional.
     """
+    tensors = (q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum, dbias)
+    prepare(*tensors, chunk_size=chunk_size, window_size=window_size, sliding=sliding, scale=scale,
+            q_offset=q_offset, log_count=log_count, config=config)(*tensors)
+
+
+def _strides(shape) -> tuple:
+    return torch.empty(shape, device="meta").stride()
+
+
+def prepare(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum, dbias, *, chunk_size,
+            window_size, sliding, scale, q_offset, log_count, config, fast=False):
+    """The launches `launch` makes for these arguments, prepared from their metadata (shapes, strides,
+    dtypes, device; which of bias, dlse and dbias are given): an enqueue taking the 16 tensors of a call
+    with the same metadata, in `launch`'s order. Scratch (delta, split partial sums) is allocated per
+    call. fast: direct launches (kernel_call.py)."""
     missing = [key for key in CONFIG_KEYS if key not in config]
     if missing:
         raise ValueError(f"backward config lacks {missing}")
@@ -526,7 +542,24 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv
     if D > MAX_HEAD_DIM:
         raise ValueError(f"q has head dim {D}; the triton backend supports D <= {MAX_HEAD_DIM}")
     if B * Hkv == 0:
-        return
+        return _nothing
+    kwargs = dict(chunk_size=chunk_size, window_size=window_size, sliding=sliding, scale=scale, q_offset=q_offset,
+                  log_count=log_count, config=config, fast=fast)
+    if B * H > MAX_GRID_Y:  # grid axis 1 holds (batch, head): slices of the batch
+        step = MAX_GRID_Y // H
+        if step == 0:
+            raise ValueError(f"q has {H} heads; the triton backward takes at most {MAX_GRID_Y}")
+        parts = []
+        for b0 in range(0, B, step):
+            sl = slice(b0, b0 + step)
+            parts.append((sl, prepare(*(None if t is None else t[sl] for t in (
+                q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum, dbias)), **kwargs)))
+
+        def enqueue_slices(*tensors):
+            for sl, part in parts:
+                part(*(None if t is None else t[sl] for t in tensors))
+        return enqueue_slices
+
     C, W = int(chunk_size), int(window_size)
     q_offset = int(q_offset)
     G = H // Hkv
@@ -538,71 +571,81 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv
     block_d = max(16, triton.next_power_of_2(D))
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     qk_scale = float(scale) * LOG2E
-    if bias is not None:
-        bias_mode, bias_t, sb = BIAS_TENSOR, bias, bias.stride()
+    has_bias, has_dlse = bias is not None, dlse is not None
+    if has_bias:
+        bias_mode, sb = BIAS_TENSOR, bias.stride()
     else:
-        bias_mode, bias_t, sb = (BIAS_LOG_COUNT if log_count else BIAS_NONE), q, (0, 0, 0)
-    dbias_t = dbias if bias is not None else q
+        bias_mode, sb = (BIAS_LOG_COUNT if log_count else BIAS_NONE), (0, 0, 0)
+    device = q.device
+    has_rows = Nq > 0 and H > 0
 
-    delta = new_output((B, H, max(Nq, 0)), torch.float32, q.device)
-    if Nq > 0 and H > 0:
+    delta_call = None
+    if has_rows:
         block_r = max(1, min(64, 4096 // block_d))
-        dl = dlse if dlse is not None else lse
-        _eva_bwd_delta[(triton.cdiv(Nq, block_r), B * H)](
-            o, do, dl, delta, H, Nq, D,
-            o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            dl.stride(0), dl.stride(1), dl.stride(2),
-            HAS_DLSE=dlse is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
-        )
+        dl = dlse if has_dlse else lse
+        delta_call = KernelCall(
+            _eva_bwd_delta, (triton.cdiv(Nq, block_r), B * H), 4,
+            (H, Nq, D, *o.stride()[:3], *do.stride()[:3], *dl.stride()[:3]),
+            dict(HAS_DLSE=has_dlse, BLOCK_R=block_r, BLOCK_D=block_d), dict(num_warps=4), fast=fast)
 
     common = (H, Hkv, G, Nq, Nk, Nc)
-    q_strides = (q.stride(0), q.stride(1), q.stride(2))
-    tail = ((do.stride(0), do.stride(1), do.stride(2)), (lse.stride(0), lse.stride(1), lse.stride(2)))
+    q_strides = q.stride()[:3]
+    tail = (*do.stride()[:3], *lse.stride()[:3])
+    kv_strides = (*k.stride()[:3], *v.stride()[:3], *k_sum.stride()[:3], *v_sum.stride()[:3], *sb[:3])
     n_sum_tiles, n_key_tiles = triton.cdiv(Nc, bn), triton.cdiv(Nk, bn)
-    splits = _sum_splits(config, n_sum_tiles * B * Hkv, G * triton.cdiv(Nq, bm), q.device) if n_sum_tiles else 1
-    if splits > 1:  # partial sums per piece, fp32 (every element is written)
-        gks = new_output((splits, B, Hkv, Nc, D), torch.float32, q.device)
-        gvs = new_output((splits, B, Hkv, Nc, D), torch.float32, q.device)
-        gb = new_output((splits, B, Hkv, Nc), torch.float32, q.device) if bias is not None else gks
-        split_strides = (gks.stride(0), gvs.stride(0), gb.stride(0))
+    splits = _sum_splits(config, n_sum_tiles * B * Hkv, G * triton.cdiv(Nq, bm), device) if n_sum_tiles else 1
+    part_k, part_b = (splits, B, Hkv, Nc, D), (splits, B, Hkv, Nc)
+    if splits > 1:  # partial sums per piece, fp32 contiguous scratch
+        sk = _strides(part_k)
+        sbias = _strides(part_b) if has_bias else sk
+        g_strides = (*sk[1:4], *sk[1:4], sk[0], sk[0], sbias[0])
     else:
-        gks, gvs, gb = dk_sum, dv_sum, dbias_t
-        split_strides = (0, 0, 0)
+        g_strides = (*dk_sum.stride()[:3], *dv_sum.stride()[:3], 0, 0, 0)
+    kv_call = None
     if n_sum_tiles + n_key_tiles > 0:
-        _eva_bwd_kv[((n_sum_tiles * splits + n_key_tiles) * B * Hkv,)](
-            q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dk, dv, gks, gvs, gb,
-            *common, D, C, W, q_offset, n_sum_tiles, n_key_tiles, splits,
-            *q_strides, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            k_sum.stride(0), k_sum.stride(1), k_sum.stride(2), v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
-            sb[0], sb[1], sb[2], *tail[0], *tail[1],
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            gks.stride(-4), gks.stride(-3), gks.stride(-2), gvs.stride(-4), gvs.stride(-3), gvs.stride(-2),
-            *split_strides,
-            qk_scale, float(scale),
-            SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, SPLIT_LOOPS=split_loops,
-            DOT_PREC=dot_prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
-            num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
-        )
+        kv_call = KernelCall(
+            _eva_bwd_kv, ((n_sum_tiles * splits + n_key_tiles) * B * Hkv,), 14,
+            (*common, D, C, W, q_offset, n_sum_tiles, n_key_tiles, splits, *q_strides, *kv_strides, *tail,
+             *dk.stride()[:3], *dv.stride()[:3], *g_strides, qk_scale, float(scale)),
+            dict(SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, SPLIT_LOOPS=split_loops,
+                 DOT_PREC=dot_prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d),
+            dict(num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"])), fast=fast)
+    sum_call = None
     if splits > 1:
         R = B * Hkv * Nc
         block_r = max(1, min(64, 4096 // block_d))
-        _eva_bwd_sum_splits[(triton.cdiv(R, block_r),)](
-            gks, gvs, gb, dk_sum, dv_sum, dbias_t, R, Hkv, Nc, D, splits,
-            dk_sum.stride(0), dk_sum.stride(1), dk_sum.stride(2), dv_sum.stride(0), dv_sum.stride(1), dv_sum.stride(2),
-            HAS_DBIAS=bias is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
-        )
-
-    if Nq > 0 and H > 0:
+        sum_call = KernelCall(
+            _eva_bwd_sum_splits, (triton.cdiv(R, block_r),), 6,
+            (R, Hkv, Nc, D, splits, *dk_sum.stride()[:3], *dv_sum.stride()[:3]),
+            dict(HAS_DBIAS=has_bias, BLOCK_R=block_r, BLOCK_D=block_d), dict(num_warps=4), fast=fast)
+    dq_call = None
+    if has_rows:
         bm_dq = min(bm_dq, max(16, triton.next_power_of_2(Nq)))
-        _eva_bwd_dq[(triton.cdiv(Nq, bm_dq), B * H)](
-            q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dq,
-            *common, D, C, W, q_offset,
-            *q_strides, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            k_sum.stride(0), k_sum.stride(1), k_sum.stride(2), v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
-            sb[0], sb[1], sb[2], *tail[0], *tail[1],
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            qk_scale, float(scale),
-            SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, DOT_PREC=dot_prec,
-            BLOCK_M=bm_dq, BLOCK_N=bn_dq, BLOCK_D=block_d,
-            num_warps=int(config["num_warps_dq"]), num_stages=int(config["num_stages_dq"]),
-        )
+        dq_call = KernelCall(
+            _eva_bwd_dq, (triton.cdiv(Nq, bm_dq), B * H), 10,
+            (*common, D, C, W, q_offset, *q_strides, *kv_strides, *tail, *dq.stride()[:3], qk_scale, float(scale)),
+            dict(SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, DOT_PREC=dot_prec,
+                 BLOCK_M=bm_dq, BLOCK_N=bn_dq, BLOCK_D=block_d),
+            dict(num_warps=int(config["num_warps_dq"]), num_stages=int(config["num_stages_dq"])), fast=fast)
+
+    def enqueue(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum, dbias):
+        bias_t = bias if has_bias else q  # stands in, never read
+        dbias_t = dbias if has_bias else q
+        delta = new_output((B, H, max(Nq, 0)), torch.float32, device)
+        if delta_call is not None:
+            delta_call(o, do, dlse if has_dlse else lse, delta)
+        if splits > 1:  # every element is written
+            gks = new_output(part_k, torch.float32, device)
+            gvs = new_output(part_k, torch.float32, device)
+            gb = new_output(part_b, torch.float32, device) if has_bias else gks
+        else:
+            gks, gvs, gb = dk_sum, dv_sum, dbias_t
+        if kv_call is not None:
+            kv_call(q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dk, dv, gks, gvs, gb)
+        if sum_call is not None:
+            sum_call(gks, gvs, gb, dk_sum, dv_sum, dbias_t)
+        if dq_call is not None:
+            dq_call(q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dq)
+
+    enqueue.calls = tuple(c for c in (delta_call, kv_call, sum_call, dq_call) if c is not None)  # tests
+    return enqueue

@@ -95,21 +95,26 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run_backward(backend: str, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, key_weight, valid, scale,
-                  config=None):
+                  config=None, plan: Optional["_Plan"] = None):
     """(dk, dv, domega, dkey_weight), None where omega / key_weight is None. Every kernel backend runs
     the Triton backward kernels. omega: None, [Hkv, D] or [B, Hkv, Nc, D]; dlse: None = no gradient
-    into lse."""
+    into lse. config: complete (call_plan), None: looked up; plan: the call plan whose prepared
+    launches to use."""
     if backend not in C.KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}")
     dk = C.new_output(tuple(k.shape), k.dtype, k.device)
     dv = C.new_output(tuple(v.shape), v.dtype, v.device)
     domega = None if omega is None else C.new_output(tuple(omega.shape), omega.dtype, omega.device)
     dkw = None if key_weight is None else C.new_output(tuple(key_weight.shape), key_weight.dtype, k.device)
-    if config is None:
-        config = call_plan.config(OP_BWD, "triton", _features_bwd(k, chunk_size, key_weight, valid))
-    from flashswitch.kernels_triton.chunk_summaries_bwd import launch
-    launch(k, v, omega, key_weight, valid, _unit_last(dk_sum), _unit_last(dv_sum), dlse, dk, dv, domega, dkw,
-           chunk_size=chunk_size, scale=scale, config=config)
+    tensors = (k, v, omega, key_weight, valid, _unit_last(dk_sum), _unit_last(dv_sum), dlse, dk, dv, domega, dkw)
+    if plan is not None:
+        enqueue = plan.backward_enqueue(tensors, chunk_size)
+    else:
+        if config is None:
+            config = call_plan.config(OP_BWD, "triton", _features_bwd(k, chunk_size, key_weight, valid))
+        from flashswitch.kernels_triton.chunk_summaries_bwd import prepare
+        enqueue = prepare(*tensors, chunk_size=chunk_size, scale=scale, config=config)
+    enqueue(*tensors)
     return dk, dv, domega, dkw
 
 
@@ -292,8 +297,7 @@ class _EagerAutograd(torch.autograd.Function):
             dv_sum = v.new_zeros((B, H, Nc, D))
         plan = ctx.plan
         dk, dv, domega, dkw = _run_backward(plan.backend, dk_sum, dv_sum, dlse, k, v, ctx.chunk_size, omega,
-                                            key_weight, valid, plan.scale,
-                                            plan.backward_config(k, ctx.chunk_size, key_weight, valid))
+                                            key_weight, valid, plan.scale, plan=plan)
         return None, dk, dv, None, domega, dkw, None
 
 
@@ -305,14 +309,26 @@ class _Plan:
     config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
     scale: float
     enqueue: Optional[Callable] = None  # the Triton launch prepared for this signature (kernels_triton)
-    _backward: dict = field(default_factory=dict, compare=False)  # the backward's config, by its first use
+    _backward: dict = field(default_factory=dict, compare=False)  # the backward's config and prepared launches
 
-    def backward_config(self, k, chunk_size, key_weight, valid) -> Mapping:
-        cfg = self._backward.get("config")
-        if cfg is None:
-            cfg = self._backward["config"] = call_plan.config(OP_BWD, "triton", _features_bwd(k, chunk_size,
-                                                                                              key_weight, valid))
-        return cfg
+    def backward_enqueue(self, tensors: tuple, chunk_size: int) -> Callable:
+        """The backward's launch for this signature, prepared by its first use per layout of the upstream
+        gradients (dk_sum's and dv_sum's strides, dlse's presence and strides) with one config lookup;
+        tensors in kernels_triton/chunk_summaries_bwd.launch's order."""
+        dk_sum, dv_sum, dlse = tensors[5:8]
+        key = (dk_sum.stride(), dv_sum.stride(), None if dlse is None else (dlse.dtype, dlse.stride()))
+        enqueue = self._backward.get(key)
+        if enqueue is None:
+            from flashswitch.kernels_triton.chunk_summaries_bwd import prepare
+            from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
+            k, key_weight, valid = tensors[0], tensors[3], tensors[4]
+            cfg = self._backward.get("config")
+            if cfg is None:
+                cfg = self._backward["config"] = call_plan.config(
+                    OP_BWD, "triton", _features_bwd(k, chunk_size, key_weight, valid))
+            enqueue = self._backward[key] = prepare(*tensors, chunk_size=chunk_size, scale=self.scale, config=cfg,
+                                                    fast=fast_launch_wanted(k.device))
+        return enqueue
 
 
 _PLANS = call_plan.PlanCache()

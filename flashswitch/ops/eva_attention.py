@@ -91,9 +91,10 @@ def _(q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_off
 
 # ---------------------------------------------------------------- backward
 def _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_size, window_size, window, scale,
-                  q_offset, log_count, config=None):
+                  q_offset, log_count, config=None, plan: Optional["_Plan"] = None):
     """(dq, dk, dv, dk_sum, dv_sum, dbias) by the Triton backward kernels, whichever the forward backend
-    was; dbias is fp32 [B, Hkv, Nc] for a tensor bias, an empty tensor otherwise. dlse may be None."""
+    was; dbias is fp32 [B, Hkv, Nc] for a tensor bias, an empty tensor otherwise. dlse may be None.
+    config: complete (call_plan), None: looked up; plan: the call plan whose prepared launches to use."""
     if backend not in C.KERNEL_BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}")
     B, H, Nq, D = q.shape
@@ -108,16 +109,22 @@ def _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_
         for t in (dq, dk, dv, dk_sum, dv_sum, dbias):
             t.zero_()
         return dq, dk, dv, dk_sum, dv_sum, dbias
-    if config is None:
-        config = call_plan.config(OP_BWD, "triton", _features_bwd(q, k, chunk_size, window_size, window))
     if do.stride(-1) != 1:  # e.g. an expanded gradient
         do = do.contiguous()
     if dlse is not None and dlse.stride(-1) != 1:
         dlse = dlse.contiguous()
-    from flashswitch.kernels_triton.eva_attention_bwd import launch
-    launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum,
-           dbias if bias is not None else None, chunk_size=chunk_size, window_size=window_size,
-           sliding=window == "sliding", scale=scale, q_offset=q_offset, log_count=log_count, config=config)
+    tensors = (q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum,
+               dbias if bias is not None else None)
+    args = dict(chunk_size=chunk_size, window_size=window_size, sliding=window == "sliding", scale=scale,
+                q_offset=q_offset, log_count=log_count)
+    if plan is not None:
+        enqueue = plan.backward_enqueue(tensors, args, window)
+    else:
+        if config is None:
+            config = call_plan.config(OP_BWD, "triton", _features_bwd(q, k, chunk_size, window_size, window))
+        from flashswitch.kernels_triton.eva_attention_bwd import prepare
+        enqueue = prepare(*tensors, **args, config=config)
+    enqueue(*tensors)
     return dq, dk, dv, dk_sum, dv_sum, dbias
 
 
@@ -332,9 +339,8 @@ class _EagerAutograd(torch.autograd.Function):
         q, k, v, k_sum, v_sum, bias, o, lse = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        chunk_size, window_size, window = ctx.args[:3]
-        config = ctx.plan.backward_config(q, k, chunk_size, window_size, window)
-        grads = _run_backward(ctx.plan.backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, *ctx.args, config)
+        grads = _run_backward(ctx.plan.backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, *ctx.args,
+                              plan=ctx.plan)
         return (None,) + grads[:5] + (grads[5] if bias is not None else None,) + (None,) * 6
 
 
@@ -349,14 +355,25 @@ class _Plan:
     bias_tensor: bool
     log_count: bool
     enqueue: Optional[Callable] = None  # the Triton launch prepared for this signature (kernels_triton)
-    _backward: dict = field(default_factory=dict, compare=False)  # the backward's config, by its first use
+    _backward: dict = field(default_factory=dict, compare=False)  # the backward's config and prepared launches
 
-    def backward_config(self, q, k, chunk_size, window_size, window) -> Mapping:
-        cfg = self._backward.get("config")
-        if cfg is None:
-            cfg = self._backward["config"] = call_plan.config(OP_BWD, "triton", _features_bwd(q, k, chunk_size,
-                                                                                              window_size, window))
-        return cfg
+    def backward_enqueue(self, tensors: tuple, args: dict, window: str) -> Callable:
+        """The backward's launches for this signature, prepared by their first use per layout of the
+        upstream gradients (dO's strides, dlse's presence and strides) with one config lookup; tensors
+        in kernels_triton/eva_attention_bwd.launch's order."""
+        do, dlse = tensors[8], tensors[9]
+        key = (do.stride(), None if dlse is None else (dlse.dtype, dlse.stride()))
+        enqueue = self._backward.get(key)
+        if enqueue is None:
+            from flashswitch.kernels_triton.eva_attention_bwd import prepare
+            from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
+            q, k = tensors[0], tensors[1]
+            cfg = self._backward.get("config")
+            if cfg is None:
+                cfg = self._backward["config"] = call_plan.config(
+                    OP_BWD, "triton", _features_bwd(q, k, args["chunk_size"], args["window_size"], window))
+            enqueue = self._backward[key] = prepare(*tensors, **args, config=cfg, fast=fast_launch_wanted(q.device))
+        return enqueue
 
 
 _PLANS = call_plan.PlanCache()
