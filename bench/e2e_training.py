@@ -126,6 +126,7 @@ def _graphed_model_step(model, batches, amp, args, device) -> dict:
     """The same step captured in a CUDA graph (a capturable AdamW of its own): graph_ms, the step's
     GPU time without the host's per-op work, or graph_error."""
     try:
+        torch.cuda.empty_cache()  # the eager steps' cached blocks back: the graph allocates from its own pool
         opt = E.make_optimizer(model, capturable=True)
         static = batches[0].clone()
         graph = E.captured_train_step(model, opt, static, amp=amp)
@@ -161,6 +162,7 @@ def _graphed_layer(m, x, dy, amp, args, device) -> dict:
             p.grad = None
 
     try:
+        torch.cuda.empty_cache()
         graph = E.capture(fwd_bwd, reset=reset)
         ms = E.median(E.time_calls(graph.replay, warmup=1, reps=args.steps, device=device))
         return {"graph_ms": ms}
