@@ -5,7 +5,11 @@ kernel-only time of a CUDA-graph replay. When host time > kernel time, a per-cal
 host, not the kernel. Targets at the tiny shapes: <= 40 us on the Triton backend, <= 25 us on CUDA.
 
     python bench/host_time.py [--ops chunk_summaries ...] [--backends triton cuda ...] [--calls 300]
-                              [--tiny-only] [--stub] [--jit-launch] [--profile] [--out DIR]
+                              [--tiny-only] [--stub] [--jit-launch] [--profile] [--no-backward] [--out DIR]
+
+At the tiny shapes each op also gets a "fwd+bwd" row: the call with inputs that need gradients and
+torch.autograd.grad of its outputs, the host time a training step pays per op (every kernel backend
+runs the Triton backward).
 
 --stub replaces Triton's kernel launch (JITFunction.run, the interpreter's run on the CPU) by a no-op:
 the rows then show flashswitch's own Python cost. Without a GPU the Triton backend runs on CPU tensors
@@ -64,6 +68,35 @@ def public_calls(op: str, problem: dict, backend: str) -> dict:
         return calls
     fn = getattr(flashswitch, op)
     return {op: lambda: fn(**problem, backend=backend)}
+
+
+def training_call(op: str, problem: dict, backend: str):
+    """The public call with its floating-point inputs as leaves that need gradients, then the gradients
+    of its outputs: the host time of one forward + backward as a training step pays it."""
+    p = dict(problem)
+    if op == "expert_matmul":
+        p["route"] = flashswitch.route(p.pop("expert_idx"), p.pop("num_experts"))
+    leaves = {n: t.detach().requires_grad_() for n, t in p.items()
+              if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    kw = {**p, **leaves}
+    fn = getattr(flashswitch, op)
+    if op == "expert_matmul":
+        x, rt, w = kw.pop("x"), kw.pop("route"), kw.pop("weight")
+        call = lambda: fn(x, rt, w, **kw, backend=backend)  # noqa: E731
+    else:
+        call = lambda: fn(**kw, backend=backend)  # noqa: E731
+
+    def forward():
+        out = call()
+        return [o for o in (out if isinstance(out, tuple) else (out,)) if o.is_floating_point()]
+
+    with torch.enable_grad():
+        ups = [torch.ones_like(o) for o in forward()]
+
+    def step():
+        with torch.enable_grad():
+            torch.autograd.grad(forward(), list(leaves.values()), ups)
+    return step
 
 
 def bare_triton():
@@ -131,6 +164,8 @@ def main() -> None:
     ap.add_argument("--jit-launch", action="store_true",
                     help="FLASHSWITCH_FAST_LAUNCH=0: every Triton launch through Triton's launcher")
     ap.add_argument("--profile", action="store_true", help="cProfile 100 calls of each row")
+    ap.add_argument("--no-backward", action="store_true",
+                    help="skip the forward + backward rows (at the tiny shapes: a training step's call)")
     ap.add_argument("--out", type=Path, default=None, help="folder for host_time.json/.md")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
@@ -147,7 +182,7 @@ def main() -> None:
     rows = []
 
     def record(op, label, shape, backend, fn):
-        with torch.no_grad():
+        with torch.no_grad():  # a training row's call turns gradients on itself
             h = host_us(fn, args.calls)
             g = graph_ms([fn]) if gpu and not stub else None
         rows.append(dict(op=op, label=label, shape=registry.describe(shape), backend=backend, host_us=round(h, 2),
@@ -180,6 +215,8 @@ def main() -> None:
                     continue
                 for name, fn in public_calls(op, problem, backend).items():
                     record(name, label, shape, backend if name != "route" else "-", fn)
+                if label.startswith("tiny") and not args.no_backward:
+                    record(f"{op} fwd+bwd", label, shape, backend, training_call(op, problem, backend))
 
     folder = args.out or results_dir()
     folder.mkdir(parents=True, exist_ok=True)

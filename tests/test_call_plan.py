@@ -361,7 +361,8 @@ def test_launchers_do_not_import_autotune():
 
 def test_host_time_bench_writes_its_table(tmp_path):
     """bench/host_time.py runs (here: Triton launches stubbed, tiny shapes) and writes one row per op
-    and backend next to the bare Triton launch; the bound only catches a path gone badly wrong."""
+    and backend, and one per op for a forward + backward, next to the bare Triton launch; the bound
+    only catches a path gone badly wrong."""
     import subprocess
     import sys
     root = Path(__file__).resolve().parent.parent
@@ -375,6 +376,7 @@ def test_host_time_bench_writes_its_table(tmp_path):
     assert ("baseline", "tiny", "triton bare") in rows
     for op in MODULES:
         assert any(k[0] == op and k[2] == "triton" for k in rows), op
+        assert any(k[0] == f"{op} fwd+bwd" and k[2] == "triton" for k in rows), op  # a training step's call
     assert all(0 < us < 20_000 for us in rows.values()), rows
     assert (tmp_path / "host_time.md").read_text().count("\n|") >= len(rows) + 1
 
