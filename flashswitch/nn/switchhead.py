@@ -30,10 +30,15 @@ def rotary_dims(head_dim: int, fraction: float) -> int:
     return 2 * int(fraction * head_dim / 2)
 
 
+def rotary_frequencies(n_rot: int, base: float, device, dtype: torch.dtype) -> torch.Tensor:
+    """[n_rot / 2] angles per position: base ** (-2i / n_rot)."""
+    return base ** (-torch.arange(0, n_rot, 2, dtype=dtype, device=device) / n_rot)
+
+
 def rotary_tables(seq_len: int, n_rot: int, base: float, device, dtype: torch.dtype):
     """cos, sin [seq_len, n_rot / 2] of the angles of positions 0..seq_len-1."""
-    inv_freq = base ** (-torch.arange(0, n_rot, 2, dtype=dtype, device=device) / n_rot)
-    angle = torch.arange(seq_len, dtype=dtype, device=device)[:, None] * inv_freq
+    angle = torch.arange(seq_len, dtype=dtype, device=device)[:, None] * rotary_frequencies(n_rot, base, device,
+                                                                                            dtype)
     return angle.cos(), angle.sin()
 
 
@@ -68,11 +73,11 @@ _INV_FREQ: dict = {}
 
 
 def _inv_freq(n_rot: int, base: float, device) -> torch.Tensor:
-    """rotary_tables' fp32 frequencies, made once per (n_rot, base, device) outside graph capture."""
+    """The fp32 rotary_frequencies, made once per (n_rot, base, device) outside graph capture."""
     key = (n_rot, float(base), device)
     freq = _INV_FREQ.get(key)
     if freq is None:
-        freq = base ** (-torch.arange(0, n_rot, 2, dtype=torch.float32, device=device) / n_rot)
+        freq = rotary_frequencies(n_rot, base, device, torch.float32)
         if torch.device(device).type != "cuda" or not torch.cuda.is_current_stream_capturing():
             _INV_FREQ[key] = freq
     return freq
