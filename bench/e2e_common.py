@@ -76,9 +76,7 @@ def train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | None = No
                scheduler=None) -> torch.Tensor:
     """One step: forward (autocast to `amp` when given), backward, optional gradient clipping, AdamW.
     Returns the loss as a detached device tensor (no host sync)."""
-    with torch.autocast(tokens.device.type, dtype=amp or torch.float32, enabled=amp is not None):
-        loss = model.loss(tokens)
-    loss.backward()
+    loss = _loss_backward(model, tokens, amp)
     if clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
@@ -86,6 +84,13 @@ def train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | None = No
         scheduler.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def _loss_backward(model, tokens: torch.Tensor, amp: torch.dtype | None) -> torch.Tensor:
+    with torch.autocast(tokens.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+        loss = model.loss(tokens)
+    loss.backward()
+    return loss
 
 
 def capture(fn, *, reset=None, warmup: int = 3) -> "torch.cuda.CUDAGraph":
@@ -113,9 +118,7 @@ def captured_train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | 
     """train_step (without clipping) captured in a CUDA graph on the static batch `tokens` (copy the
     next batch into it before each replay); `opt` must be capturable (make_optimizer)."""
     def step():
-        with torch.autocast(tokens.device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            loss = model.loss(tokens)
-        loss.backward()
+        _loss_backward(model, tokens, amp)
         opt.step()
 
     return capture(step, reset=lambda: opt.zero_grad(set_to_none=True))

@@ -66,9 +66,13 @@ def mac_rows(sizes, seq_lens) -> list[dict]:
 
 
 # ---------------------------------------------------------------- whole-model training steps
-def _failure(row: dict, err: BaseException) -> dict:
+def _error_text(err: BaseException) -> str:
     traceback.print_exc()
-    return {**row, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+
+
+def _failure(row: dict, err: BaseException) -> dict:
+    return {**row, "error": _error_text(err)}
 
 
 def model_rows(args, device) -> list[dict]:
@@ -141,8 +145,7 @@ def _graphed_model_step(model, batches, amp, args, device) -> dict:
         print(f"{'':>30} graph-captured {ms:9.2f} ms/step", flush=True)
         return {"graph_ms": ms}
     except Exception as err:  # noqa: BLE001 (the eager row stands)
-        traceback.print_exc()
-        return {"graph_error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
+        return {"graph_error": _error_text(err)}
     finally:
         for p in model.parameters():
             p.grad = None
@@ -167,8 +170,7 @@ def _graphed_layer(m, x, dy, amp, args, device) -> dict:
         ms = E.median(E.time_calls(graph.replay, warmup=1, reps=args.steps, device=device))
         return {"graph_ms": ms}
     except Exception as err:  # noqa: BLE001
-        traceback.print_exc()
-        return {"graph_error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
+        return {"graph_error": _error_text(err)}
     finally:
         reset()
 
