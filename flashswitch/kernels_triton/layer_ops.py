@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashswitch._common import eager_fast_path, next_pow2, poison_outputs
+from flashswitch._common import eager_fast_path, new_output, next_pow2, poison_outputs
 
 
 def fused_wanted(*tensors: torch.Tensor) -> bool:
@@ -111,11 +111,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _new(shape, like: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(shape, dtype=like.dtype, device=like.device)
-    return out.fill_(float("nan")) if poison_outputs() else out
-
-
 def add_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
     """(s, y): s = x + residual (x alone when residual is None) and y = (s / rms(s)) rounded to x's
     dtype, times weight; x, residual [..., d] with unit last stride, one program per row. The residual
@@ -123,8 +118,8 @@ def add_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
     d = x.shape[-1]
     x2 = _rows(x)
     r2 = x2 if residual is None else _rows(residual)
-    y = _new(x2.shape, x)
-    s = x2 if residual is None else _new(x2.shape, x)
+    y = new_output(x2.shape, x.dtype, x.device)
+    s = x2 if residual is None else new_output(x2.shape, x.dtype, x.device)
     if x2.shape[0] and d:
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, s, y, d, x2.stride(0), r2.stride(0), s.stride(0),
                                          y.stride(0), float(eps), HAS_R=residual is not None,
@@ -152,7 +147,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up (SwiGLU's activation) in one pass: gate, up [..., d] with unit last stride."""
     d = gate.shape[-1]
     g2, u2 = _rows(gate), _rows(up)
-    out = _new(g2.shape, gate)
+    out = new_output(g2.shape, gate.dtype, gate.device)
     block = min(next_pow2(max(d, 1)), 1024)
     if g2.shape[0] and d:
         _silu_mul_kernel[(g2.shape[0], -(-d // block))](g2, u2, out, d, g2.stride(0), u2.stride(0), out.stride(0),
@@ -190,7 +185,7 @@ def _rotary_packed(t: torch.Tensor, inv_freq: torch.Tensor, n_rot: int, sign: fl
     B, N = t.shape[:2]
     D = t.shape[-1]
     rows = t.reshape(B, N, -1, D)  # the heads of one position as rows (a view for the layers' layouts)
-    out = _new(t.shape, t)
+    out = new_output(t.shape, t.dtype, t.device)
     o3 = out.view(B, N, -1, D)
     R = rows.shape[2]
     if B * N * R and D:
