@@ -151,6 +151,32 @@ def shape_problem(op: str, index: int, dtype: str) -> dict:
                                            device="cpu", seed=0)
 
 
+def compile_row(row: dict, modules, run, arch: int, label: str) -> dict:
+    """Record the launches `run()` makes of the kernels of `modules`, compile each for sm_<arch> and fill
+    row["kernels"] ({"name", "regs", "local", "shared", ...}), row["ok"] (False with row["error"] where
+    the compiler or the launcher refused, or nothing launched) and row["s"]; print one line."""
+    row["kernels"] = []
+    t0 = time.monotonic()
+    try:
+        with _recording(modules) as calls:
+            run()
+        for fn, args, kwargs in calls:
+            k = compile_call(fn, args, kwargs, arch)
+            row["kernels"].append({"name": fn.__name__, **resource_usage(k, arch)})
+        row["ok"] = bool(calls)
+        if not calls:
+            row["error"] = "no launch recorded"
+    except Exception as err:  # what the device would have hit
+        lines = str(err).strip().splitlines()
+        row.update(ok=False, error=f"{type(err).__name__}: {lines[-1] if lines else ''}")
+    row["s"] = round(time.monotonic() - t0, 1)
+    res = ", ".join(f"{k['name']} {k.get('regs', '?')} regs {k.get('local', '?')} B local "
+                    f"{k.get('shared', 0) // 1024} KB smem{' wgmma serialized' if k.get('wgmma_serialized') else ''}"
+                    for k in row["kernels"])
+    print(f"  {'ok  ' if row['ok'] else 'FAIL'} {label}  {res or row.get('error', '')}", flush=True)
+    return row
+
+
 def check_configs(op: str, index: int, configs, arch: int, problem: dict) -> list[dict]:
     """Compile op's kernels as launched on `problem` (tuning shape `index`) with each config: rows of
     {"op", "shape", "config", "ok", "kernels": [{"name", "regs", "local", "shared"}], "error"?, "s"}."""
@@ -158,27 +184,9 @@ def check_configs(op: str, index: int, configs, arch: int, problem: dict) -> lis
 
     spec = registry.get(op)
     modules = _kernel_modules(op)
-    rows = []
-    for cfg in configs:
-        row = {"op": op, "shape": index, "config": cfg, "kernels": []}
-        t0 = time.monotonic()
-        try:
-            with _recording(modules) as calls:
-                spec.kernel_callable("triton", cfg, problem)()
-            for fn, args, kwargs in calls:
-                k = compile_call(fn, args, kwargs, arch)
-                row["kernels"].append({"name": fn.__name__, **resource_usage(k, arch)})
-            row["ok"] = True
-        except Exception as err:  # what the device would have hit
-            lines = str(err).strip().splitlines()
-            row.update(ok=False, error=f"{type(err).__name__}: {lines[-1] if lines else ''}")
-        row["s"] = round(time.monotonic() - t0, 1)
-        res = ", ".join(f"{k['name']} {k.get('regs', '?')} regs {k.get('local', '?')} B local "
-                        f"{k['shared'] // 1024} KB smem{' wgmma serialized' if k.get('wgmma_serialized') else ''}"
-                        for k in row["kernels"])
-        print(f"  {'ok  ' if row['ok'] else 'FAIL'} {json.dumps(cfg)}  {res or row.get('error', '')}", flush=True)
-        rows.append(row)
-    return rows
+    return [compile_row({"op": op, "shape": index, "config": cfg}, modules,
+                        lambda cfg=cfg: spec.kernel_callable("triton", cfg, problem)(), arch, json.dumps(cfg))
+            for cfg in configs]
 
 
 def check_op(op: str, shapes, first, arch: int, dtype: str, tuned=None) -> list[dict]:
@@ -218,30 +226,19 @@ def check_eva_cache(arch: int, dtype: str) -> list[dict]:
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     rows = []
     for index, (window, bias) in enumerate((w, b) for w in ("block", "sliding") for b in ("log_count", "tensor")):
-        row = {"op": "eva_cache", "shape": index, "config": {"window": window, "summary_bias": bias}, "kernels": []}
-        t0 = time.monotonic()
-        try:
+        def run(window=window, bias=bias):
             user = torch.zeros(B, Hkv, -(-N // C)) if bias == "tensor" else None
             cache = EvaCache(B, Hkv, D, chunk_size=C, window_size=W, window=window, max_seq_len=N, dtype=dt,
                              summary_bias=user if bias == "tensor" else bias, backend="reference")
             x = torch.zeros(B, Hkv, 1, D, dtype=dt)
             shape = dict(chunk_size=C, num_summaries=cache.num_summaries, ring_size=cache.ring_size)
-            with _recording([kernels]) as calls:
-                kernels.gather_chunk(cache.k, cache.v, cache.lengths, **shape)
-                kernels.append(cache.k, cache.v, cache.bias, cache.lengths, cache.lengths.clone(), x, x, x, x, user,
-                               window_size=W, window=window, on_bias=0.0, **shape)
-            for fn, args, kwargs in calls:
-                k = compile_call(fn, args, kwargs, arch)
-                row["kernels"].append({"name": fn.__name__, **resource_usage(k, arch)})
-            row["ok"] = True
-        except Exception as err:  # what the device would have hit
-            lines = str(err).strip().splitlines()
-            row.update(ok=False, error=f"{type(err).__name__}: {lines[-1] if lines else ''}")
-        row["s"] = round(time.monotonic() - t0, 1)
-        res = ", ".join(f"{k['name']} {k.get('regs', '?')} regs {k.get('local', '?')} B local" for k in row["kernels"])
-        print(f"  {'ok  ' if row['ok'] else 'FAIL'} {json.dumps(row['config'])}  {res or row.get('error', '')}",
-              flush=True)
-        rows.append(row)
+            kernels.gather_chunk(cache.k, cache.v, cache.lengths, **shape)
+            kernels.append(cache.k, cache.v, cache.bias, cache.lengths, cache.lengths.clone(), x, x, x, x, user,
+                           window_size=W, window=window, on_bias=0.0, **shape)
+
+        config = {"window": window, "summary_bias": bias}
+        rows.append(compile_row({"op": "eva_cache", "shape": index, "config": config}, [kernels], run, arch,
+                                json.dumps(config)))
     return rows
 
 
@@ -266,27 +263,8 @@ def check_layer_ops(arch: int, dtype: str) -> list[dict]:
         "rotary_packed fwd+bwd": lambda: ops.rotary_packed(torch.zeros(2, 8, 2, 4, 112, dtype=dt, requires_grad=True),
                                                            torch.zeros(28), 56).sum().backward(),
     }
-    rows = []
-    for index, (name, run) in enumerate(cases.items()):
-        row = {"op": "layer_ops", "shape": index, "config": {"case": name}, "kernels": []}
-        t0 = time.monotonic()
-        try:
-            with _recording([ops]) as calls:
-                run()
-            for fn, args, kwargs in calls:
-                k = compile_call(fn, args, kwargs, arch)
-                row["kernels"].append({"name": fn.__name__, **resource_usage(k, arch)})
-            row["ok"] = bool(calls)
-            if not calls:
-                row["error"] = "no launch recorded"
-        except Exception as err:  # what the device would have hit
-            lines = str(err).strip().splitlines()
-            row.update(ok=False, error=f"{type(err).__name__}: {lines[-1] if lines else ''}")
-        row["s"] = round(time.monotonic() - t0, 1)
-        res = ", ".join(f"{k['name']} {k.get('regs', '?')} regs {k.get('local', '?')} B local" for k in row["kernels"])
-        print(f"  {'ok  ' if row['ok'] else 'FAIL'} {name}  {res or row.get('error', '')}", flush=True)
-        rows.append(row)
-    return rows
+    return [compile_row({"op": "layer_ops", "shape": index, "config": {"case": name}}, [ops], run, arch, name)
+            for index, (name, run) in enumerate(cases.items())]
 
 
 def main(argv=None) -> int:

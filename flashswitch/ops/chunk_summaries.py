@@ -143,14 +143,17 @@ def _setup_context(ctx, inputs, output):
     ctx.chunk_size, ctx.scale, ctx.backend = chunk_size, scale, backend
 
 
+def _upstream(k, v, chunk_size, dk_sum, dv_sum):
+    """The summaries' gradients, zeros for an unused one (autograd passes None)."""
+    B, H, N, D = k.shape
+    Nc = -(-N // chunk_size)
+    return (k.new_zeros((B, H, Nc, D)) if dk_sum is None else dk_sum,
+            v.new_zeros((B, H, Nc, D)) if dv_sum is None else dv_sum)
+
+
 def _backward(ctx, dk_sum, dv_sum, dlse):
     k, v, omega, key_weight, valid = ctx.saved_tensors
-    B, H, N, D = k.shape
-    Nc = -(-N // ctx.chunk_size)
-    if dk_sum is None:
-        dk_sum = k.new_zeros((B, H, Nc, D))
-    if dv_sum is None:
-        dv_sum = v.new_zeros((B, H, Nc, D))
+    dk_sum, dv_sum = _upstream(k, v, ctx.chunk_size, dk_sum, dv_sum)
     dk, dv, domega, dkw = _chunk_summaries_backward_op(dk_sum, dv_sum, dlse, k, v, ctx.chunk_size, omega,
                                                        key_weight, valid, ctx.scale, ctx.backend)
     return (dk, dv, None, None if omega is None else domega, None if key_weight is None else dkw,
@@ -289,12 +292,7 @@ class _EagerAutograd(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dk_sum, dv_sum, dlse):
         k, v, omega, key_weight, valid = ctx.saved_tensors
-        B, H, N, D = k.shape
-        Nc = -(-N // ctx.chunk_size)
-        if dk_sum is None:
-            dk_sum = k.new_zeros((B, H, Nc, D))
-        if dv_sum is None:
-            dv_sum = v.new_zeros((B, H, Nc, D))
+        dk_sum, dv_sum = _upstream(k, v, ctx.chunk_size, dk_sum, dv_sum)
         plan = ctx.plan
         dk, dv, domega, dkw = _run_backward(plan.backend, dk_sum, dv_sum, dlse, k, v, ctx.chunk_size, omega,
                                             key_weight, valid, plan.scale, plan=plan)
