@@ -396,8 +396,9 @@ def test_auto_splits():
     assert auto_splits(programs=512, n_blocks=20, sms=132) == 1       # grid already fills the GPU
     assert auto_splits(programs=16, n_blocks=1, sms=132) == 1         # nothing to split
     s = auto_splits(programs=16, n_blocks=40, sms=132)
-    assert 2 <= s <= 40 and 16 * s <= 2 * 132
-    assert auto_splits(programs=2, n_blocks=5, sms=132) == 5          # at least one block per split
+    assert 2 <= s <= 40 // 4 and 16 * s <= 2 * 132
+    assert auto_splits(programs=2, n_blocks=20, sms=132) == 5         # at least MIN_SPLIT_BLOCKS blocks per split
+    assert auto_splits(programs=2, n_blocks=7, sms=132) == 1          # too short a walk to split
 
 
 # ---------------------------------------------------------------- edge sizes

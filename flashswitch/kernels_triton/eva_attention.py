@@ -454,13 +454,17 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: a small number still exercises the split path
 
 
+MIN_SPLIT_BLOCKS = 4  # key blocks per split at least: a shorter walk saves less than the merge launch costs
+
+
 def auto_splits(programs: int, n_blocks: int, sms: int, max_splits: int = 128) -> int:
     """Number of key-range splits that best fills `sms` multiprocessors (FlashAttention-2's rule):
     none when the grid already covers 80% of them; else the smallest count within 85% of the best
-    wave efficiency, with at least one key block per split."""
-    if programs <= 0 or programs >= 0.8 * sms or n_blocks <= 1:
+    wave efficiency, with at least MIN_SPLIT_BLOCKS key blocks per split (a split costs a merge launch
+    and two scratch buffers: on short key ranges more than the parallel walk gains)."""
+    limit = min(max_splits, n_blocks // MIN_SPLIT_BLOCKS, sms)
+    if programs <= 0 or programs >= 0.8 * sms or limit <= 1:
         return 1
-    limit = max(1, min(max_splits, n_blocks, sms))
     eff = []
     for s in range(1, limit + 1):
         waves = programs * s / sms
