@@ -17,8 +17,10 @@ def to_numpy64(x) -> np.ndarray | None:
     return np.asarray(x, dtype=np.float64)
 
 
-def rel_error(out, ref) -> float:
-    """Relative L2 error over finite reference entries; inf when `out` has NaN, or inf where ref has none."""
+def rel_error(out, ref, *, floor: float = 0.0) -> float:
+    """Relative L2 error over finite reference entries; inf when `out` has NaN, or inf where ref has none.
+    `floor` bounds the denominator from below: the size the result has when its terms do not cancel, for
+    references that cancel to (near) zero, where rounding of the terms is all that is left."""
     o, r = to_numpy64(out), to_numpy64(ref)
     if o.shape != r.shape:
         raise AssertionError(f"shape {o.shape} != reference shape {r.shape}")
@@ -31,21 +33,23 @@ def rel_error(out, ref) -> float:
         o, r = o[~inf_r], r[~inf_r]
     if not np.isfinite(o).all():
         return float("inf")
-    denom = np.linalg.norm(r)
+    denom = max(float(np.linalg.norm(r)), floor)
     num = np.linalg.norm(o - r)
     if denom == 0:
         return float(num)
     return float(num / denom)
 
 
-def assert_close(name: str, out, ref, dtype: torch.dtype, *, baseline=None, factor: float = 2.0) -> float:
+def assert_close(name: str, out, ref, dtype: torch.dtype, *, baseline=None, factor: float = 2.0,
+                 floor: float = 0.0) -> float:
     """Pass when rel_error(out) <= the dtype bound, or <= factor x the error of `baseline` (the PyTorch
-    reference in the same precision) plus the dtype's rounding floor. Returns the error."""
-    err = rel_error(out, ref)
+    reference in the same precision) plus the dtype's rounding floor. `floor`: as in rel_error. Returns
+    the error."""
+    err = rel_error(out, ref, floor=floor)
     bound = REL_TOL[dtype]
     if baseline is not None:
         floor = float(torch.finfo(dtype).eps) if dtype != torch.float64 else 1e-14
-        base_err = rel_error(baseline, ref)
+        base_err = rel_error(baseline, ref, floor=floor)
         if np.isfinite(base_err):  # a baseline that is itself NaN/inf must not open the bound
             bound = max(bound, factor * base_err + floor)
     if not err <= bound:
