@@ -245,7 +245,7 @@ def check_eva_cache(arch: int, dtype: str) -> list[dict]:
 def check_layer_ops(arch: int, dtype: str) -> list[dict]:
     """Compile the decoder layers' fused kernels (kernels_triton/layer_ops.py) at the e2e models' widths:
     rotary of q/k (shared and per-sequence positions), RMSNorm with and without the residual add,
-    silu * up, and the packed rotary's forward and backward (SwitchHead-262M's heads)."""
+    silu * up, the packed rotary's forward and backward (SwitchHead-262M's heads) and the routers' top-k."""
     from flashswitch.kernels_triton import layer_ops as ops
 
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -262,6 +262,8 @@ def check_layer_ops(arch: int, dtype: str) -> list[dict]:
         "silu_mul 8192": lambda: ops.silu_mul(torch.zeros(16, 1, 8192, dtype=dt), torch.zeros(16, 1, 8192, dtype=dt)),
         "rotary_packed fwd+bwd": lambda: ops.rotary_packed(torch.zeros(2, 8, 2, 4, 112, dtype=dt, requires_grad=True),
                                                            torch.zeros(28), 56).sum().backward(),
+        "top_k_rows 4 of 2": lambda: ops.top_k_rows(torch.zeros(64, 2, 4, 4), 2),
+        "top_k_rows 32 of 4": lambda: ops.top_k_rows(torch.zeros(64, 32), 4),
     }
     return [compile_row({"op": "layer_ops", "shape": index, "config": {"case": name}}, [ops], run, arch, name)
             for index, (name, run) in enumerate(cases.items())]

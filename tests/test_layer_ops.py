@@ -202,3 +202,32 @@ def test_switchhead_layer_with_the_rotary_kernel_equals_torch(monkeypatch):
         runs[mode] = [y.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()]
     for a, b in zip(runs["kernel"], runs["torch"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,E,k", [(257, 4, 2), (64, 5, 3), (9, 1, 1), (130, 16, 4), (33, 32, 4), (7, 64, 64),
+                                      (0, 4, 2)])
+def test_top_k_rows_equals_a_stable_sort(rows, E, k):
+    """The routers' top-k kernel picks what a stable descending sort picks, in the same order: scores on
+    a coarse grid (many ties, lower column first), exact zeros as after expert dropout."""
+    g = torch.Generator().manual_seed(rows + E)
+    scores = (torch.randint(0, 5, (rows, 2, E), generator=g) / 4.0).to(DEVICE)[:, 1]  # strided rows
+    got = layer_ops.top_k_rows(scores, k)
+    want = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+def test_routers_take_the_top_k_kernel(monkeypatch):
+    """sigmoid_top_k's choice comes from the kernel where fused kernels serve (CUDA, eager), from the
+    sort otherwise; the gates keep their gradient either way."""
+    from flashswitch.nn._routing import sigmoid_top_k
+    calls = []
+    real = layer_ops.top_k_rows
+    monkeypatch.setattr(layer_ops, "top_k_rows", lambda s, k: calls.append(k) or real(s, k))
+    monkeypatch.setattr(layer_ops, "fused_wanted", lambda *t: layer_ops.eager_fast_path(*t))
+    logits = torch.randn(6, 3, 8, device=DEVICE, requires_grad=True)
+    idx, gates = sigmoid_top_k(logits, 2)
+    assert calls == [2]
+    want = torch.sigmoid(logits).sort(dim=-1, descending=True, stable=True).indices[..., :2]
+    assert torch.equal(idx, want)
+    gates.sum().backward()
+    assert logits.grad is not None and torch.count_nonzero(logits.grad).item() == 6 * 3 * 2

@@ -6,7 +6,9 @@ nn/llama.py, nn/switchhead.py) take 2 to 14 elementwise kernels each (25 or so f
 backward), fp32 copies of their inputs included; in a decode step or a training layer those small
 kernels and their host time, not the attention, can set the pace, and in a long prefill their memory
 traffic does. Same math as the torch versions (fp32 arithmetic, the same roundings to the input dtype).
-The inference kernels serve calls that need no gradient (the torch versions keep autograd).
+The inference kernels serve calls that need no gradient (the torch versions keep autograd). Also the
+routers' top-k over a few experts per row (nn/_routing.py), where torch's row sort launches a block
+per 4-expert row.
 """
 from __future__ import annotations
 
@@ -230,3 +232,34 @@ def packed_rotary_wanted(t: torch.Tensor) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+@triton.jit
+def _top_k_rows_kernel(s_ptr, idx_ptr, R, E, s_row, K: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_E: tl.constexpr):
+    """BLOCK_R rows: K rounds of argmax (ties: the lowest column), each taking its winner out."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < R
+    x = tl.load(s_ptr + rows[:, None] * s_row + cols[None, :], mask=rmask[:, None] & (cols[None, :] < E),
+                other=-float("inf"))
+    x = tl.where(x == x, x, -float("inf"))  # NaN scores lose (torch's sort ranks them first: no such routing)
+    for j in tl.static_range(K):
+        best = tl.minimum(tl.argmax(x, axis=1, tie_break_left=True), E - 1)
+        tl.store(idx_ptr + rows * K + j, best.to(tl.int64), mask=rmask)
+        x = tl.where(cols[None, :] == best[:, None], -float("inf"), x)
+
+
+def top_k_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The columns of the k largest entries of each row of scores [..., E] (fp32, unit last stride),
+    largest first, ties to the lower column: what scores.sort(-1, descending=True, stable=True)
+    .indices[..., :k] gives for rows without NaN. int64 [..., k]."""
+    E = scores.shape[-1]
+    s2 = _rows(scores)
+    idx = new_output((s2.shape[0], k), torch.int64, scores.device)
+    block_e = next_pow2(max(E, 1))
+    block_r = max(1, min(256, 4096 // block_e))
+    if s2.shape[0] and k:
+        _top_k_rows_kernel[(-(-s2.shape[0] // block_r),)](s2, idx, s2.shape[0], E, s2.stride(0), K=k,
+                                                           BLOCK_R=block_r, BLOCK_E=block_e, num_warps=4)
+    return idx.view(*scores.shape[:-1], k)

@@ -19,15 +19,19 @@ def sigmoid_top_k(logits: torch.Tensor, k: int, *, expert_dropout: float = 0.0, 
     if training and expert_dropout > 0:
         scores = scores.masked_fill(torch.rand_like(scores) < expert_dropout, 0.0)
     with torch.no_grad():
-        if scores.shape[-1] <= SORT_MAX_EXPERTS:
+        from flashswitch.kernels_triton import layer_ops
+        if scores.shape[-1] <= SORT_MAX_EXPERTS and layer_ops.fused_wanted(scores):
+            idx = layer_ops.top_k_rows(scores, k)
+        elif scores.shape[-1] <= SORT_MAX_EXPERTS:
             idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
         else:
             idx = scores.topk(k, dim=-1, sorted=False).indices
     return idx, torch.gather(scores, -1, idx)
 
 
-# Rows of at most this many experts are sorted whole instead of torch.topk'ed: topk's CUDA kernel is
-# made for long rows (a radix select per row), a short row sorts within one warp (ties: lower id first).
+# Rows of at most this many experts take k argmax rounds in registers (CUDA, kernels_triton/layer_ops) or
+# are sorted whole instead of torch.topk'ed: topk's CUDA kernel is made for long rows (a radix select per
+# row). Ties: the lower id first either way.
 SORT_MAX_EXPERTS = 64
 
 
