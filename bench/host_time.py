@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import backend_usable, device_name, env_info, graph_ms, now, results_dir  # noqa: E402
 import flashswitch  # noqa: E402
 from flashswitch import registry  # noqa: E402
+from flashswitch.kernels_triton.kernel_call import normal_launches  # noqa: E402
 
 # (label, shape): the tiny shapes of the target first, then the shapes
 SHAPES = {
@@ -184,12 +185,16 @@ def main() -> None:
     def record(op, label, shape, backend, fn):
         with torch.no_grad():  # a training row's call turns gradients on itself
             h = host_us(fn, args.calls)
+            n0 = normal_launches()
+            for _ in range(20):
+                fn()
+            slow = (normal_launches() - n0) / 20  # direct launches that fell back to Triton's normal path
             g = graph_ms([fn]) if gpu and not stub else None
         rows.append(dict(op=op, label=label, shape=registry.describe(shape), backend=backend, host_us=round(h, 2),
-                         kernel_us=None if g is None else round(g * 1e3, 2)))
+                         kernel_us=None if g is None else round(g * 1e3, 2), normal_launches_per_call=slow))
         g_txt = f"{g * 1e3:9.1f}" if g else "      n/a"
         print(f"{op:16s} {label:13s} {registry.describe(shape):52s} {backend:9s} host {h:8.1f} us/call  "
-              f"kernel (graph) {g_txt} us", flush=True)
+              f"kernel (graph) {g_txt} us" + (f"  ({slow:g} normal launches/call)" if slow else ""), flush=True)
         if args.profile:
             prof = cProfile.Profile()
             with torch.no_grad():
@@ -226,12 +231,14 @@ def main() -> None:
     lines = [f"# Host time per call ({meta['device']}, {dtype}{', Triton launches stubbed' if stub else ''}"
              f"{', direct Triton launches' if fast else ''})", "",
              "Public call path (validation, backend choice, config lookup, launch), CPU time per call; kernel: "
-             "CUDA-graph replay. `python bench/host_time.py" + (" --stub" if stub and gpu else "")
+             "CUDA-graph replay; normal launches: a direct launch's fall back to Triton's binding (0 when every launch is direct). `python bench/host_time.py" + (" --stub" if stub and gpu else "")
              + ("" if fast or stub else " --jit-launch") + "`", "",
-             "| op | shape | backend | host us/call | kernel us |", "|---|---|---|---:|---:|"]
+             "| op | shape | backend | host us/call | kernel us | normal Triton launches / call |",
+             "|---|---|---|---:|---:|---:|"]
     for r in rows:
         k = "" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
-        lines.append(f"| {r['op']} | {r['label']}: {r['shape']} | {r['backend']} | {r['host_us']:.1f} | {k} |")
+        lines.append(f"| {r['op']} | {r['label']}: {r['shape']} | {r['backend']} | {r['host_us']:.1f} | {k} | "
+                     f"{r['normal_launches_per_call']:g} |")
     (folder / "host_time.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {folder / 'host_time.json'} and host_time.md")
 

@@ -436,6 +436,41 @@ def test_public_calls_with_direct_launches(op, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
+def test_training_calls_launch_directly(op, monkeypatch):
+    """A forward + backward through the eager autograd path (inputs that need gradients): from the second
+    step on, every forward and backward kernel launches directly (no JITFunction.run in either thread)."""
+    call_plan.clear_all()
+    monkeypatch.setenv("FLASHSWITCH_FAST_LAUNCH", "1")
+    shapes = {"chunk_summaries": dict(B=1, H=2, N=64, D=64, C=16, omega="head", key_weight=True),
+              "eva_attention": dict(B=1, H=8, Hkv=8, Nq=1, Nk=256, D=64, C=16, W=64, summary_bias="tensor"),
+              "expert_matmul": dict(T=16, S=2, E=4, d_in=64, d_out=64)}
+    p = _problem(op, shapes[op], 0, torch.bfloat16)
+    rt = flashswitch.route(p.pop("expert_idx"), p.pop("num_experts")) if op == "expert_matmul" else None
+    leaves = {n: t.detach().requires_grad_() for n, t in p.items()
+              if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    kw = {**p, **leaves}
+
+    def step():
+        if op == "expert_matmul":
+            outs = (flashswitch.expert_matmul(kw["x"], rt, kw["weight"], gates=kw.get("gates"), backend="triton"),)
+        else:
+            outs = getattr(flashswitch, op)(**kw, backend="triton")
+        outs = [o for o in outs if o.is_floating_point()]
+        torch.autograd.grad(outs, list(leaves.values()), [torch.ones_like(o) for o in outs])
+
+    step()
+    step()
+    runs = _count_jit_runs(monkeypatch)
+    n0 = kernel_call.normal_launches()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    assert len(runs) == 0 and kernel_call.normal_launches() == n0
+    call_plan.clear_all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
 def test_direct_launches_capture_into_a_cuda_graph(op, monkeypatch):
     """A public call with direct launches captured in a CUDA graph, replayed on new input values: the
     eager normal launch's results on those values, bitwise."""

@@ -76,9 +76,20 @@ class KernelCall:
                 return
             except Exception:  # whatever went wrong, the normal launch decides (and raises if it must)
                 self._direct[key] = None
+        global _normal_launches
+        _normal_launches += 1
         compiled = self.kernel[self.grid](*args, **self.options)
         if direct is False and _is_compiled(compiled):
             self._direct[key] = compiled[self.grid]
+
+
+_normal_launches = 0  # launches of fast KernelCalls that went through JITFunction.run (first ones, fallbacks)
+
+
+def normal_launches() -> int:
+    """How many launches of direct-launch KernelCalls took Triton's normal path so far: after a
+    signature's first call, none should (bench/host_time.py reports it per row)."""
+    return _normal_launches
 
 
 def _is_compiled(kernel) -> bool:
@@ -91,4 +102,4 @@ def direct_launches(call: KernelCall) -> int:
     return sum(1 for d in call._direct.values() if d)
 
 
-__all__ = ["FAST_LAUNCH_ENV", "KernelCall", "direct_launches", "fast_launch_wanted"]
+__all__ = ["FAST_LAUNCH_ENV", "KernelCall", "direct_launches", "fast_launch_wanted", "normal_launches"]
