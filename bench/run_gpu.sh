@@ -50,15 +50,22 @@ if stage build; then
 fi
 limit() { echo "${1:-${STAGE_LIMIT:-1200}}"; }  # limit "$X_LIMIT": the stage's own limit or STAGE_LIMIT
 $PY -m flashswitch info > "$LOGS/info.log" 2>&1
+# a whole-suite run over xdist workers: idle workers take queued tests from busy ones (pytest-xdist >= 3.2),
+# so the run does not end with one worker working through a long queue of compiles
+SUITE_ARGS="${PYTEST_ARGS:-}"
+if [[ " $SUITE_ARGS " == *" -n "* && "$SUITE_ARGS" != *"--dist"* ]] &&
+   $PY -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 2))" 2>/dev/null; then
+  SUITE_ARGS="$SUITE_ARGS --dist worksteal"
+fi
 if stage suite; then  # the whole suite in one pytest run, one log (the record a GPU run is judged by)
   FLASHSWITCH_TEST_TIMES="$LOGS/test_times.tsv" STAGE_LIMIT=$(limit "${TEST_LIMIT:-}") run test_suite \
-    $PY -m pytest tests -p no:cacheprovider -rfE -v --durations=30 ${PYTEST_ARGS:-}
+    $PY -m pytest tests -p no:cacheprovider -rfE -v --durations=30 $SUITE_ARGS
 fi
 SUITE_DIR="${SUITE_DIR:-/tmp/flashswitch_suite}"
 if stage suite_start; then
   rm -rf "$SUITE_DIR" && mkdir -p "$SUITE_DIR"
   FLASHSWITCH_TEST_TIMES="$SUITE_DIR/test_times.tsv" setsid nohup bash -c \
-    "$PY -m pytest tests -p no:cacheprovider -rfE -v --durations=30 ${PYTEST_ARGS:-} > $SUITE_DIR/test_suite.log 2>&1; echo \$? > $SUITE_DIR/rc" \
+    "$PY -m pytest tests -p no:cacheprovider -rfE -v --durations=30 $SUITE_ARGS > $SUITE_DIR/test_suite.log 2>&1; echo \$? > $SUITE_DIR/rc" \
     > /dev/null 2>&1 < /dev/null &
   echo "== suite started in the background, writing $SUITE_DIR"
 fi

@@ -347,7 +347,8 @@ def _dense_z_steps(dims, x_dtype, w_dtype, has_gates, sg, sdy, want_dx, want_dw,
         pair_experts(route.token, route.slot, route.offsets, pair_expert)
         x_flat = x3.reshape(rows, d_in)
         if want_dx or want_dg:  # W_cat[e·d_out + k, n] = W[e, n, k]
-            w_cat = weight.permute(0, 2, 1).to(x_dtype).reshape(E * d_out, d_in)
+            w_cat = torch.empty((E, d_out, d_in), dtype=x_dtype, device=x3.device)
+            w_cat = w_cat.copy_(weight.permute(0, 2, 1)).view(E * d_out, d_in)  # cast and transpose: one copy
         if want_dx or want_dw:
             z = torch.zeros((rows, E * d_out), dtype=x_dtype, device=x3.device)
             dense_z(dy, g, pair_expert, z)
