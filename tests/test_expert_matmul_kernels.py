@@ -33,6 +33,8 @@ CONFIGS = {
     # partials rounded to y's dtype: atomics straight into y, a half-size ordered scratch
     "out-atomic": {**_SMALL, "GROUP_N": 1, "INTERLEAVE": True, "PARTIALS": "out"},
     "out-ordered": {**_SMALL, "GROUP_N": 2, "INTERLEAVE": False, "REDUCE": "ordered", "PARTIALS": "out"},
+    # y = Z · W_cat over a dense Z of gated x rows per output group (the Triton backend; the others ignore it)
+    "dense-z": {**_SMALL, "GROUP_N": 1, "INTERLEAVE": False, "DENSE_Z": True},
     # the CUDA backend's variant 2 (where d_in, d_out are multiples of 8; the other backends ignore it)
     "cuda-v2": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, GROUP_N=1, INTERLEAVE=False,
                     variant=2),

@@ -73,7 +73,7 @@ CONFIG_KEYS: dict[tuple, set] = {
     ("eva_attention", "cuda"): {"decode"},
     ("eva_attention", "cupy"): {"decode"},
     ("expert_matmul", "triton"): _TRITON_BASE | {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_N", "INTERLEAVE",
-                                                 "PARTIALS", "REDUCE"},
+                                                 "PARTIALS", "REDUCE", "DENSE_Z"},
     ("expert_matmul", "cuda"): {"BLOCK_M", "BLOCK_N", "GROUP_N", "REDUCE", "variant"},
     ("expert_matmul", "cupy"): {"BLOCK_M", "BLOCK_N", "GROUP_N", "REDUCE", "variant"},
     ("chunk_summaries.bwd", "triton"): _TRITON_BASE | {"BLOCK_CHUNKS", "BLOCK_J"},

@@ -468,6 +468,10 @@ def _em_triton_space(f: dict) -> list[dict]:
         out += [{**c, "PARTIALS": "out"} for c in out
                 if c.get("REDUCE") == "ordered" or (two and c["INTERLEAVE"] == _em_interleave(f, c["BLOCK_M"]) and
                                                     c["GROUP_N"] == _em_group_n(f, c["BLOCK_N"], c["INTERLEAVE"]))]
+    if _em_dense_fits(f, "G_out", 4):
+        # DENSE_Z (kernels_triton/expert_matmul.py): y = Z · W_cat, one dense GEMM at G_out·E / S times
+        # the pairs' MACs, no slot reduction; the tiles above are unused then
+        out.append({**_em_triton_default(f), "DENSE_Z": True})
     return out
 
 
@@ -571,10 +575,19 @@ def _em_bwd_tiles(f: dict) -> tuple[int, int, int]:
     return cap, min(cap, max(16, next_pow2(f["d_in"]))), min(cap, max(16, next_pow2(f["d_out"])))
 
 
-def _em_bwd_dense_fits(f: dict, waste: int) -> bool:
-    """Whether DENSE_Z may pay: 16-bit (fp32 dense GEMMs are slow), dx rows that sum several slots, and
-    dense GEMMs doing at most `waste` times the pairs' MACs (G_in·E / S)."""
-    return f["dtype"] != "fp32" and f["G_in"] < f["S"] and f["G_in"] * f["E"] <= waste * f["S"]
+def _em_dense_fits(f: dict, groups: str, waste: int) -> bool:
+    """Whether DENSE_Z may pay, on the side whose rows sum several slots (the forward's output groups,
+    "G_out"; the backward's dx rows, "G_in"): 16-bit (fp32 dense GEMMs are slow), rows that sum
+    several slots, and dense GEMMs doing at most `waste` times the pairs' MACs (groups·E / S)."""
+    return f["dtype"] != "fp32" and f[groups] < f["S"] and f[groups] * f["E"] <= waste * f["S"]
+
+
+def _em_dense_config_fits(groups: str):
+    """A DENSE_Z config fits a bucket whose dense Z stays within 4x the pairs' MACs (and memory): a
+    nearest-bucket config must not turn a many-expert shape into a huge dense GEMM."""
+    def fits(f: dict, cfg: dict) -> bool:
+        return not cfg.get("DENSE_Z") or (f[groups] < f["S"] and f[groups] * f["E"] <= 4 * f["S"])
+    return fits
 
 
 def _em_bwd_triton_default(f: dict) -> dict:
@@ -584,7 +597,7 @@ def _em_bwd_triton_default(f: dict) -> dict:
     # dense Z at <= 2x the MACs: the scratch path writes S / G_in fp32 rows of d_in per dx row, the
     # dense GEMMs stream Z once at tensor-core rate
     return {**_em_bwd_dx(f, min(bm, cap), bin_), **_em_bwd_dw(f, bin_, bout),
-            "DENSE_Z": _em_bwd_dense_fits(f, 2)}
+            "DENSE_Z": _em_dense_fits(f, "G_in", 2)}
 
 
 def _em_bwd_triton_space(f: dict) -> list[dict]:
@@ -606,7 +619,7 @@ def _em_bwd_triton_space(f: dict) -> list[dict]:
         base = _em_bwd_dw(f, bm, bn)
         dws += [base] + ([{**base, "SPLIT_K": 2 * base["SPLIT_K"]}] if base["SPLIT_K"] < 16 else [])
     out = [default] + [{**dx, **dw, "DENSE_Z": False} for dx in dxs for dw in dws]
-    if _em_bwd_dense_fits(f, 4):  # dense Z on the default dx tiles (dW then needs no kernel)
+    if _em_dense_fits(f, "G_in", 4):  # dense Z on the default dx tiles (dW then needs no kernel)
         out += [{**default, "DENSE_Z": True}, {**default, **_em_bwd_dx(f, min(64, cap), bin_), "DENSE_Z": True}]
     seen, unique = set(), []
     for c in out:
@@ -647,6 +660,8 @@ DEFAULTS = {
 FITS = {
     ("eva_attention", "triton"): _eva_triton_config_fits,
     ("eva_attention.bwd", "triton"): _eva_bwd_config_fits,
+    ("expert_matmul", "triton"): _em_dense_config_fits("G_out"),
+    ("expert_matmul.bwd", "triton"): _em_dense_config_fits("G_in"),
 }
 
 # Shapes `flashswitch autotune` sweeps: keyword arguments of each op's bench/tune problem builder.

@@ -31,6 +31,14 @@ accumulator: for SwitchHead O and σ-MoE down 8x, ~1 GB per 16k-token step), whi
 below keeps mostly in L2, but contend when S / G_out pairs of one row are added at once; which is
 faster depends on the shape, so the tuner tries both.
 
+Config `DENSE_Z` (few experts per output group, as SwitchHead's output projection, whose slot sum
+makes the atomics or the ordered scratch the bottleneck): `_dense_z` sums each token's gated x rows
+per expert into a dense Z [T·G_out, E·d_in] (zeros where the output group did not pick the expert),
+and y = Z · W_cat (W_cat = weight viewed as [E·d_in, d_out]) is one dense GEMM (torch.mm: fp32
+accumulation, deterministic) doing G_out·E / S times the pairs' MACs at tensor-core rate, with no slot
+reduction. Z holds x's dtype: one rounding of each gated sum before the GEMM. The backward's DENSE_Z
+builds its Z the same way from dy rows.
+
 Tile schedule (config knobs):
 - `GROUP_N`: programs are ordered (group of GROUP_N column tiles, row tile, column tile in group).
   GROUP_N = all column tiles makes the column tiles of one row tile neighbours (the gathered A rows
@@ -271,6 +279,84 @@ def _group_sum_call(R: int, d: int, spg: int, fast: bool = False) -> KernelCall:
                       dict(BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N), dict(num_warps=4), fast=fast)
 
 
+@triton.jit
+def _pair_experts(tok_ptr, slot_ptr, off_ptr, pe_ptr, S, BLOCK: tl.constexpr):
+    """pe[t·S + s] = the expert of pair (t, s): program e walks its sorted rows."""
+    e = tl.program_id(0)
+    lo = tl.load(off_ptr + e)
+    hi = tl.load(off_ptr + e + 1)
+    for r0 in range(lo, hi, BLOCK):
+        rows = r0 + tl.arange(0, BLOCK)
+        rmask = rows < hi
+        tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        slt = tl.load(slot_ptr + rows, mask=rmask, other=0)
+        tl.store(pe_ptr + tok * S + slt, e.to(tl.int32), mask=rmask)
+
+
+@triton.jit
+def _dense_z(src_ptr, g_ptr, pe_ptr, z_ptr, T, S, G, spg, spg_src, d,
+             stride_st, stride_sg, stride_gt, stride_gs, stride_zr,
+             HAS_GATES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Z[t·G + g, e·d + k] = Σ over the slots s of group g (slots g·spg ... g·spg + spg - 1) with expert
+    e, in slot order, of gate[t, s] · src[t, s // spg_src, k] (fp32 sums, one rounding). Z starts
+    zeroed; each slot of the group writes its expert's whole sum (slots sharing an expert write the
+    same values), so no entry is read back. The forward's Z gathers x rows per output group, the
+    backward's dy rows per input group."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    g = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    tmask = offs_t < T
+    kmask = offs_k < d
+    t64 = offs_t.to(tl.int64)
+    z_row = z_ptr + (t64 * G + g) * stride_zr
+    for j in range(spg):
+        e = tl.load(pe_ptr + t64 * S + g * spg + j, mask=tmask, other=0)
+        total = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+        for jj in range(spg):
+            s2 = g * spg + jj
+            same = (tl.load(pe_ptr + t64 * S + s2, mask=tmask, other=-1) == e) & tmask
+            v = tl.load(src_ptr + t64[:, None] * stride_st + (s2 // spg_src) * stride_sg + offs_k[None, :],
+                        mask=same[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            if HAS_GATES:
+                gv = tl.load(g_ptr + t64 * stride_gt + s2 * stride_gs, mask=same, other=0.0).to(tl.float32)
+                v = v * gv[:, None]
+            total += v
+        tl.store(z_row[:, None] + e.to(tl.int64)[:, None] * d + offs_k[None, :],
+                 total.to(z_ptr.dtype.element_ty), mask=tmask[:, None] & kmask[None, :])
+
+
+def _dense_z_calls(T, S, E, G, spg_src, d, s_src, sg, has_gates, fast):
+    """(pair experts, dense Z) launches: called with (token, slot, offsets, pe) and (src, gates, pe, z),
+    Z [T·G, E·d] zeroed."""
+    BLOCK_K = max(16, triton.next_power_of_2(d))
+    BLOCK_T = max(1, min(64, 2048 // BLOCK_K))
+    pair_experts = KernelCall(_pair_experts, (E,), 4, (S,), dict(BLOCK=256), dict(num_warps=4), fast=fast)
+    dense_z = KernelCall(_dense_z, (triton.cdiv(T, BLOCK_T), G), 4,
+                         (T, S, G, S // G, spg_src, d, s_src[0], s_src[1], sg[0], sg[1], E * d),
+                         dict(HAS_GATES=has_gates, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K), dict(num_warps=4), fast=fast)
+    return pair_experts, dense_z
+
+
+def _dense_forward(T, S, E, d_in, d_out, G_in, G_out, sx, sg, has_gates, fast):
+    """Config DENSE_Z (module docstring): Z [T·G_out, E·d_in] of gated x rows, then y = Z · W_cat."""
+    pair_experts, dense_z = _dense_z_calls(T, S, E, G_out, S // G_in, d_in, sx, sg, has_gates, fast)
+
+    def enqueue(x3, weight, gates, route, y):
+        pe = torch.empty(T * S, dtype=torch.int32, device=x3.device)
+        pair_experts(route.token, route.slot, route.offsets, pe)
+        z = torch.zeros((T * G_out, E * d_in), dtype=x3.dtype, device=x3.device)
+        dense_z(x3, gates if has_gates else x3, pe, z)
+        if weight.dtype == x3.dtype:
+            w_cat = weight.reshape(E * d_in, d_out)
+        else:  # fp32 master weights under 16-bit x: cast once (the GEMM reads x's dtype)
+            w_cat = torch.empty((E * d_in, d_out), dtype=x3.dtype, device=x3.device)
+            w_cat.view(E, d_in, d_out).copy_(weight)
+        torch.mm(z, w_cat, out=y.view(T * G_out, d_out))
+
+    enqueue.calls = (pair_experts, dense_z)
+    return enqueue
+
+
 def _nothing(*tensors) -> None:
     """The enqueue of a problem with nothing to compute."""
 
@@ -295,6 +381,11 @@ def prepare(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config, 
         return _nothing
     if d_in == 0:
         return _zero_output
+    has_gates = gates is not None
+    sg = gates.stride() if has_gates else (0, 0)
+    sx = (x3.stride(0), x3.stride(1) if G_in > 1 else 0)  # with one input group every slot reads group 0
+    if config.get("DENSE_Z", False):
+        return _dense_forward(T, S, E, d_in, d_out, G_in, G_out, sx, sg, has_gates, fast)
     BM = _pow2("BLOCK_M", config["BLOCK_M"])
     BN = _pow2("BLOCK_N", config["BLOCK_N"])
     BK = _pow2("BLOCK_K", config["BLOCK_K"])
@@ -322,11 +413,8 @@ def prepare(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config, 
         into_y = y.dtype == part_dtype
         st = y.stride() if into_y else torch.empty(y.shape, dtype=part_dtype, device="meta").stride()
 
-    has_gates = gates is not None
-    sg = gates.stride() if has_gates else (0, 0)
     dot_precision = "ieee" if x3.dtype == torch.float32 else "tf32"
     sw = weight.stride()
-    sx = (x3.stride(0), x3.stride(1) if G_in > 1 else 0)  # with one input group every slot reads group 0
     call = KernelCall(
         _expert_matmul_fwd, (grid_m * n_tiles_n,), 7,
         (E, d_in, d_out, S // G_in, spg_out,

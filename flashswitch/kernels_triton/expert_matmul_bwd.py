@@ -16,7 +16,7 @@ With pair p = (t, s) of expert e, x_row(p) = x[t, s // (S / G_in)], dy_row(p) = 
   partials and of the split-K partials.
 - Config DENSE_Z (16-bit, few experts per input group, as SwitchHead's value projection): the per-pair
   dx rows are what makes the scratch path write-bound (S rows of d_in per token for one dx row). Instead
-  `_dense_z` sums each token's gated dy rows per expert into a dense Z [T·G_in, E·d_out] (zeros where
+  the forward module's `_dense_z` sums each token's gated dy rows per expert into a dense Z [T·G_in, E·d_out] (zeros where
   the token's group did not pick the expert), and dx = Z · W_catᵀ, dW = X_flatᵀ · Z are two dense GEMMs
   (torch.mm: fp32 accumulation, deterministic; dW in fp32 for fp32 master weights) that do G_in·E / S times the pairs' MACs at full
   tensor-core rate. d gates: U = X_flat · W_catᵀ (every expert's product of every x row, one more
@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from flashswitch.kernels_triton.kernel_call import KernelCall
-from flashswitch.kernels_triton.expert_matmul import (_aligned, _gather_gemm, _group_row, _group_sum_call,
-                                                       _pair_gates, _pow2, _pow2_divisor, _row_tile_grid,
-                                                       _tile_of, _tile_pairs)
+from flashswitch.kernels_triton.expert_matmul import (_aligned, _dense_z_calls, _gather_gemm, _group_row,
+                                                       _group_sum_call, _pair_gates, _pow2, _pow2_divisor,
+                                                       _row_tile_grid, _tile_of, _tile_pairs)
 
 DX_KEYS = ("DX_BLOCK_M", "DX_BLOCK_N", "DX_BLOCK_K", "DX_INTERLEAVE", "DX_PARTIALS", "DX_num_warps",
            "DX_num_stages")
@@ -156,50 +156,6 @@ def _dw_kernel(
     o_ptrs = (out_ptr + sp.to(tl.int64) * stride_os + e.to(tl.int64) * stride_oe
               + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :])
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
-
-
-@triton.jit
-def _pair_experts(tok_ptr, slot_ptr, off_ptr, pe_ptr, S, BLOCK: tl.constexpr):
-    """pe[t·S + s] = the expert of pair (t, s): program e walks its sorted rows."""
-    e = tl.program_id(0)
-    lo = tl.load(off_ptr + e)
-    hi = tl.load(off_ptr + e + 1)
-    for r0 in range(lo, hi, BLOCK):
-        rows = r0 + tl.arange(0, BLOCK)
-        rmask = rows < hi
-        tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        slt = tl.load(slot_ptr + rows, mask=rmask, other=0)
-        tl.store(pe_ptr + tok * S + slt, e.to(tl.int32), mask=rmask)
-
-
-@triton.jit
-def _dense_z(dy_ptr, g_ptr, pe_ptr, z_ptr, T, S, G_in, spg_in, spg_out, d_out,
-             stride_dyt, stride_dyg, stride_gt, stride_gs, stride_zr,
-             HAS_GATES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Z[t·G_in + gi, e·d_out + k] = Σ over the slots s of input group gi with expert e, in slot order,
-    of gate[t, s] · dy_row(t, s)[k] (fp32 sums, one rounding). Each slot of the group writes its
-    expert's whole sum (slots sharing an expert write the same values), so no entry is read back."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    gi = tl.program_id(1)
-    offs_k = tl.arange(0, BLOCK_K)
-    tmask = offs_t < T
-    kmask = offs_k < d_out
-    t64 = offs_t.to(tl.int64)
-    z_row = z_ptr + (t64 * G_in + gi) * stride_zr
-    for j in range(spg_in):
-        e = tl.load(pe_ptr + t64 * S + gi * spg_in + j, mask=tmask, other=0)
-        total = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-        for jj in range(spg_in):
-            s2 = gi * spg_in + jj
-            same = (tl.load(pe_ptr + t64 * S + s2, mask=tmask, other=-1) == e) & tmask
-            dyv = tl.load(dy_ptr + t64[:, None] * stride_dyt + (s2 // spg_out) * stride_dyg + offs_k[None, :],
-                          mask=same[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            if HAS_GATES:
-                gv = tl.load(g_ptr + t64 * stride_gt + s2 * stride_gs, mask=same, other=0.0).to(tl.float32)
-                dyv = dyv * gv[:, None]
-            total += dyv
-        tl.store(z_row[:, None] + e.to(tl.int64)[:, None] * d_out + offs_k[None, :],
-                 total.to(z_ptr.dtype.element_ty), mask=tmask[:, None] & kmask[None, :])
 
 
 @triton.jit
@@ -334,10 +290,7 @@ def _dense_z_steps(dims, x_dtype, w_dtype, has_gates, sg, sdy, want_dx, want_dw,
     BLOCK_K = max(16, triton.next_power_of_2(d_out))
     BLOCK_T = max(1, min(64, 2048 // BLOCK_K))
     rows = T * G_in
-    pair_experts = KernelCall(_pair_experts, (E,), 4, (S,), dict(BLOCK=256), dict(num_warps=4), fast=fast)
-    dense_z = KernelCall(_dense_z, (triton.cdiv(T, BLOCK_T), G_in), 4,
-                         (T, S, G_in, S // G_in, S // G_out, d_out, sdy[0], sdy[1], sg[0], sg[1], E * d_out),
-                         dict(HAS_GATES=has_gates, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K), dict(num_warps=4), fast=fast)
+    pair_experts, dense_z = _dense_z_calls(T, S, E, G_in, S // G_out, d_out, sdy, sg, has_gates, fast)
     dense_dg = KernelCall(_dense_dg, (triton.cdiv(T, BLOCK_T), S), 4,
                           (T, S, G_in, S // G_in, S // G_out, d_out, E * d_out, sdy[0], sdy[1]),
                           dict(BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K), dict(num_warps=4), fast=fast)
