@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
 from flashswitch._common import next_pow2  # noqa: F401  (space.next_pow2: the tile rounding of the launchers)
 
 
@@ -692,6 +694,9 @@ TUNE_SHAPES = {
         dict(T=16384, S=8, E=512, d_in=128, d_out=1024, G_in=8, G_out=1, gated=True),   # sigma-MoE down
         dict(T=16384, S=6, E=10, d_in=412, d_out=76, G_out=2, gated=True),              # SwitchHead-47M V
         dict(T=16384, S=6, E=10, d_in=76, d_out=412, G_in=2, G_out=1, gated=True),      # SwitchHead-47M O
+        # the 262M layers under autocast: fp32 master weights read and cast by the kernels
+        dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True, weight_dtype=torch.float32),
+        dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True, weight_dtype=torch.float32),
     ],
     # backward passes (the tuner times forward + backward): the training shapes of the benchmarks
     "chunk_summaries.bwd": [
@@ -711,6 +716,9 @@ TUNE_SHAPES = {
         dict(T=16384, S=8, E=512, d_in=128, d_out=1024, G_in=8, G_out=1, gated=True),   # sigma-MoE down
         dict(T=16384, S=6, E=10, d_in=412, d_out=76, G_out=2, gated=True),              # SwitchHead-47M V
         dict(T=16384, S=6, E=10, d_in=76, d_out=412, G_in=2, G_out=1, gated=True),      # SwitchHead-47M O
+        # the 262M layers under autocast: fp32 master weights read and cast by the kernels
+        dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True, weight_dtype=torch.float32),
+        dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True, weight_dtype=torch.float32),
     ],
 }
 
