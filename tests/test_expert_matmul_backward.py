@@ -37,6 +37,8 @@ CONFIGS = {
                      "SPLIT_K": 2},
     # dx and dW as dense GEMMs over the per-token expert sums Z (d gates from the dx kernel)
     "dense-z": {**_SMALL, "DENSE_Z": True},
+    # dW and dZ = dy · W_catᵀ as dense GEMMs over the forward's Z of gated x rows per output group
+    "dense-x": {**_SMALL, "DENSE_X": True},
 }
 
 
@@ -405,25 +407,28 @@ def test_paper_shapes_bf16_deterministic(backend, shape):
 
 
 @pytest.mark.parametrize("dtype", dtypes_here())
-@pytest.mark.parametrize("G_in,weight_dtype", [(1, None), (2, None), (1, torch.float32)])
-def test_dense_z_sums_slots_sharing_an_expert(backend, dtype, G_in, weight_dtype):
-    """DENSE_Z: with 2 experts and 6 slots per token, most tokens give one expert several slots of a
-    group (their gated dy rows are summed into one Z block); fp32 weights under 16-bit x get an fp32 dW
-    from the same dense GEMM."""
+@pytest.mark.parametrize("mode,G_in,G_out,weight_dtype", [("dense-z", 1, 3, None), ("dense-z", 2, 3, None),
+                                                          ("dense-z", 1, 3, torch.float32),
+                                                          ("dense-x", 3, 1, None), ("dense-x", 3, 2, None),
+                                                          ("dense-x", 6, 1, torch.float32)])
+def test_dense_modes_sum_slots_sharing_an_expert(backend, dtype, mode, G_in, G_out, weight_dtype):
+    """DENSE_Z / DENSE_X: with 2 experts and 6 slots per token, most tokens give one expert several
+    slots of a group (their gated dy rows, or x rows, are summed into one Z block); fp32 weights under
+    16-bit x get an fp32 dW from the same dense GEMM."""
     if weight_dtype is not None and dtype == torch.float32:
         pytest.skip("master weights only apply to 16-bit x")
-    p = random_problem(T=37, S=6, E=2, d_in=24, d_out=10, G_in=G_in, G_out=3, dtype=dtype, weight_dtype=weight_dtype,
-                       device=DEVICE, seed=4)
+    p = random_problem(T=37, S=6, E=2, d_in=24, d_out=10, G_in=G_in, G_out=G_out, dtype=dtype,
+                       weight_dtype=weight_dtype, device=DEVICE, seed=4)
     dy = _dy(p)
-    got = _grads(backend, p, dy, CONFIGS["dense-z"])
+    got = _grads(backend, p, dy, CONFIGS[mode])
     _check(got, p, dy)
-    again = _grads(backend, p, dy, CONFIGS["dense-z"])
+    again = _grads(backend, p, dy, CONFIGS[mode])
     assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, again))
-    # one gradient at a time (d gates alone takes only the U path), bitwise the same as all together
+    # one gradient at a time (d gates alone takes only the U / dZ path), bitwise the same as all together
     rt = route(p["expert_idx"], p["num_experts"])
     x3 = op._x3(p["x"])
     for i, need in enumerate(((True, False, False), (False, True, False), (False, False, True))):
-        one = op._run_backward(backend, dy, x3, p["weight"], p["gates"], rt, 3, *need, config=CONFIGS["dense-z"])
+        one = op._run_backward(backend, dy, x3, p["weight"], p["gates"], rt, G_out, *need, config=CONFIGS[mode])
         assert torch.equal(one[i].view_as(got[i]), got[i])
 
 

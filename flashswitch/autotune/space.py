@@ -584,11 +584,12 @@ def _em_dense_fits(f: dict, groups: str, waste: int) -> bool:
     return f["dtype"] != "fp32" and f[groups] < f["S"] and f[groups] * f["E"] <= waste * f["S"]
 
 
-def _em_dense_config_fits(groups: str):
-    """A DENSE_Z config fits a bucket whose dense Z stays within 4x the pairs' MACs (and memory): a
-    nearest-bucket config must not turn a many-expert shape into a huge dense GEMM."""
+def _em_dense_config_fits(modes: dict):
+    """A config with a dense mode (key -> the groups its Z has rows for) fits a bucket whose dense Z
+    stays within 4x the pairs' MACs (and memory): a nearest-bucket config must not turn a many-expert
+    shape into a huge dense GEMM."""
     def fits(f: dict, cfg: dict) -> bool:
-        return not cfg.get("DENSE_Z") or (f[groups] < f["S"] and f[groups] * f["E"] <= 4 * f["S"])
+        return all(not cfg.get(key) or (f[g] < f["S"] and f[g] * f["E"] <= 4 * f["S"]) for key, g in modes.items())
     return fits
 
 
@@ -623,6 +624,8 @@ def _em_bwd_triton_space(f: dict) -> list[dict]:
     out = [default] + [{**dx, **dw, "DENSE_Z": False} for dx in dxs for dw in dws]
     if _em_dense_fits(f, "G_in", 4):  # dense Z on the default dx tiles (dW then needs no kernel)
         out += [{**default, "DENSE_Z": True}, {**default, **_em_bwd_dx(f, min(64, cap), bin_), "DENSE_Z": True}]
+    if _em_dense_fits(f, "G_out", 4):  # the forward's dense Z: dW and dZ as dense GEMMs, no tile kernels
+        out.append({**default, "DENSE_Z": False, "DENSE_X": True})
     seen, unique = set(), []
     for c in out:
         key = tuple(sorted(c.items()))
@@ -662,8 +665,8 @@ DEFAULTS = {
 FITS = {
     ("eva_attention", "triton"): _eva_triton_config_fits,
     ("eva_attention.bwd", "triton"): _eva_bwd_config_fits,
-    ("expert_matmul", "triton"): _em_dense_config_fits("G_out"),
-    ("expert_matmul.bwd", "triton"): _em_dense_config_fits("G_in"),
+    ("expert_matmul", "triton"): _em_dense_config_fits({"DENSE_Z": "G_out"}),
+    ("expert_matmul.bwd", "triton"): _em_dense_config_fits({"DENSE_Z": "G_in", "DENSE_X": "G_out"}),
 }
 
 # Shapes `flashswitch autotune` sweeps: keyword arguments of each op's bench/tune problem builder.

@@ -21,6 +21,11 @@ With pair p = (t, s) of expert e, x_row(p) = x[t, s // (S / G_in)], dy_row(p) = 
   (torch.mm: fp32 accumulation, deterministic; dW in fp32 for fp32 master weights) that do G_in·E / S times the pairs' MACs at full
   tensor-core rate. d gates: U = X_flat · W_catᵀ (every expert's product of every x row, one more
   dense GEMM) and `_dense_dg` dots each pair's dy row with its expert's block of U.
+- Config DENSE_X (few experts per output group, as SwitchHead's output projection, whose forward takes
+  the forward's DENSE_Z): dW = Zᵀ · dy over the forward's dense Z [T·G_out, E·d_in] of gated x rows,
+  dZ = dy · W_catᵀ [T·G_out, E·d_in] (every expert's dy · W[e]ᵀ), both dense GEMMs at G_out·E / S times
+  the pairs' MACs; then `_dense_dx` sums each input group's gated dZ blocks into dx in slot order and
+  dots them with the x row for d gates. No per-pair scratch, no split-K partials.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ DX_KEYS = ("DX_BLOCK_M", "DX_BLOCK_N", "DX_BLOCK_K", "DX_INTERLEAVE", "DX_PARTIA
            "DX_num_stages")
 DW_KEYS = ("DW_BLOCK_M", "DW_BLOCK_N", "DW_BLOCK_K", "SPLIT_K", "DW_num_warps", "DW_num_stages")
 MODE_KEYS = ("DENSE_Z",)
-CONFIG_KEYS = DX_KEYS + DW_KEYS + MODE_KEYS
+CONFIG_KEYS = DX_KEYS + DW_KEYS + MODE_KEYS  # required; DENSE_X is optional (default off)
 PARTIALS_MODES = ("fp32", "out")
 
 
@@ -188,6 +193,40 @@ def _sum_leading(src_ptr, dst_ptr, J, N, BLOCK: tl.constexpr):
     tl.store(dst_ptr + i, acc.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dense_dx(dz_ptr, x_ptr, g_ptr, pe_ptr, dx_ptr, dg_ptr, T, S, G_out, spg_in, spg_out, d, stride_zr,
+              stride_xt, stride_xg, stride_gt, stride_gs, stride_dxt, stride_dxg,
+              HAS_GATES: tl.constexpr, WRITE_DX: tl.constexpr, WRITE_DG: tl.constexpr,
+              BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Config DENSE_X, input group gi of BLOCK_T tokens: with u_s = dZ[t·G_out + s // spg_out, e(t, s)·d
+    ... + d] (dy_row(p) · W[e]ᵀ for every expert, one dense GEMM) for each slot s of the group,
+    dx[t, gi] = Σ_s gate[t, s] · u_s in slot order (fp32) and dg[t, s] = x[t, gi] · u_s (dg contiguous
+    [T, S])."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    gi = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    tmask = offs_t < T
+    mask = tmask[:, None] & (offs_k < d)[None, :]
+    t64 = offs_t.to(tl.int64)
+    acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    if WRITE_DG:
+        xv = tl.load(x_ptr + (t64 * stride_xt + gi * stride_xg)[:, None] + offs_k[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+    for j in range(spg_in):
+        s = gi * spg_in + j
+        e = tl.load(pe_ptr + t64 * S + s, mask=tmask, other=0).to(tl.int64)
+        u = tl.load(dz_ptr + ((t64 * G_out + s // spg_out) * stride_zr + e * d)[:, None] + offs_k[None, :],
+                    mask=mask, other=0.0).to(tl.float32)
+        if WRITE_DG:
+            tl.store(dg_ptr + t64 * S + s, tl.sum(xv * u, 1).to(dg_ptr.dtype.element_ty), mask=tmask)
+        if HAS_GATES:
+            u = u * tl.load(g_ptr + t64 * stride_gt + s * stride_gs, mask=tmask, other=0.0).to(tl.float32)[:, None]
+        acc += u
+    if WRITE_DX:
+        tl.store(dx_ptr + (t64 * stride_dxt + gi * stride_dxg)[:, None] + offs_k[None, :],
+                 acc.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
 def _sum_call(J: int, N: int, fast: bool) -> KernelCall:
     """The launch of `_sum_leading` over a [J, N] source, called with (src, dst)."""
     BLOCK = 1024
@@ -204,8 +243,9 @@ def _check_config(cfg) -> dict:
     split = int(cfg["SPLIT_K"])
     if split < 1:
         raise ValueError(f"config SPLIT_K must be >= 1, got {split}")
-    if not isinstance(cfg["DENSE_Z"], bool):
-        raise ValueError(f"config DENSE_Z must be a bool, got {cfg['DENSE_Z']!r}")
+    for key in ("DENSE_Z", "DENSE_X"):
+        if not isinstance(cfg.get(key, False), bool):
+            raise ValueError(f"config {key} must be a bool, got {cfg[key]!r}")
     return cfg
 
 
@@ -240,6 +280,10 @@ def prepare(x3, weight, gates, route, dy, want_dx: bool, want_dw: bool, want_dg:
     sdy = (dy.stride(0), dy.stride(1) if G_out > 1 else 0)
     dims = (T, S, E, d_in, d_out, G_in, G_out)
     steps = []
+    if cfg.get("DENSE_X", False) and T and d_in and d_out and (want_dx or want_dw or want_dg):
+        steps.append(_dense_x_steps(dims, x3.dtype, weight.dtype, has_gates, sg, sx, want_dx, want_dw, want_dg,
+                                    fast))
+        want_dx = want_dw = want_dg = False
     if cfg["DENSE_Z"] and G_in < S and T and d_in and d_out and (want_dx or want_dw or want_dg):
         steps.append(_dense_z_steps(dims, x3.dtype, weight.dtype, has_gates, sg, sdy, want_dx, want_dw, want_dg,
                                     fast))
@@ -311,6 +355,42 @@ def _dense_z_steps(dims, x_dtype, w_dtype, has_gates, sg, sdy, want_dx, want_dw,
                 dweight.copy_(_mm(x_flat.t(), z, w_dtype).view(d_in, E, d_out).permute(1, 0, 2))
         if want_dg:  # U = X_flat · W_catᵀ holds x_row(p) · W[e] for every expert; d gate_p = dy_row(p) · U[p]
             dense_dg(torch.mm(x_flat, w_cat.t()), dy, pair_expert, dgates)
+    return step
+
+
+def _dense_x_steps(dims, x_dtype, w_dtype, has_gates, sg, sx, want_dx, want_dw, want_dg, fast):
+    """Config DENSE_X (module docstring): the forward's dense Z of gated x rows for dW = Zᵀ · dy, and
+    dZ = dy · W_catᵀ for dx and d gates (one kernel); dy contiguous."""
+    T, S, E, d_in, d_out, G_in, G_out = dims
+    rows = T * G_out
+    pair_experts, dense_z = _dense_z_calls(T, S, E, G_out, S // G_in, d_in, sx, sg, has_gates, fast)
+    BLOCK_K = max(16, triton.next_power_of_2(d_in))
+    BLOCK_T = max(1, min(64, 2048 // BLOCK_K))
+    dense_dx = KernelCall(_dense_dx, (triton.cdiv(T, BLOCK_T), G_in), 6,
+                          (T, S, G_out, S // G_in, S // G_out, d_in, E * d_in, sx[0], sx[1], sg[0], sg[1],
+                           G_in * d_in, d_in),
+                          dict(HAS_GATES=has_gates, WRITE_DX=want_dx, WRITE_DG=want_dg, BLOCK_T=BLOCK_T,
+                               BLOCK_K=BLOCK_K), dict(num_warps=4), fast=fast)
+
+    def step(x3, weight, g, route, dy, dx, dweight, dgates):
+        pe = torch.empty(T * S, dtype=torch.int32, device=x3.device)
+        pair_experts(route.token, route.slot, route.offsets, pe)
+        dy_flat = dy.view(rows, d_out)
+        if want_dw:  # dW[e] = Σ_p gate_p x_row(p)ᵀ dy_row(p): Z's rows hold the gated x rows
+            z = torch.zeros((rows, E * d_in), dtype=x_dtype, device=x3.device)
+            dense_z(x3, g, pe, z)
+            if w_dtype == x_dtype:
+                torch.mm(z.t(), dy_flat, out=dweight.view(E * d_in, d_out))
+            else:  # fp32 master weights: the fp32 sums, not rounded through x's dtype
+                dweight.view(E * d_in, d_out).copy_(_mm(z.t(), dy_flat, w_dtype))
+        if want_dx or want_dg:
+            if w_dtype == x_dtype:
+                w_cat = weight.reshape(E * d_in, d_out)
+            else:
+                w_cat = torch.empty((E * d_in, d_out), dtype=x_dtype, device=x3.device)
+                w_cat.view(E, d_in, d_out).copy_(weight)
+            dz = torch.mm(dy_flat, w_cat.t())
+            dense_dx(dz, x3, g, pe, dx if want_dx else dz, dgates if want_dg else dz)
     return step
 
 
