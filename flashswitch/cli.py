@@ -498,7 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--shape", type=int, nargs="+", metavar="I",
                    help="tune only these shapes of each op (indices into autotune/space.py TUNE_SHAPES)")
     a.add_argument("--resume", action="store_true",
-                   help="skip buckets the file already holds complete (continue a run the budget cut short)")
+                   help="skip buckets the file already holds complete over today's config spaces (continue a "
+                        "run the budget cut short; a bucket whose space changed since is tuned again)")
     a.add_argument("--no-progress", action="store_true")
     a.set_defaults(func=cmd_autotune)
     return p

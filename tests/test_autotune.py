@@ -344,6 +344,28 @@ def test_tune_resume_keeps_complete_buckets(tmp_path, monkeypatch):
     assert json.loads(first["path"].read_text())["ops"][FAKE] == first["data"]["ops"][FAKE]
 
 
+def test_tune_resume_tunes_again_when_the_space_changed(tmp_path, monkeypatch):
+    """A complete bucket swept over an older space (a config option added since) is tuned again by
+    --resume; one swept over the current space is kept."""
+    _fake_modules(monkeypatch)
+    T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",
+           time_fn=_timer(1.0), progress=False)
+    monkeypatch.setitem(space.SPACES, (FAKE, "triton"), lambda f: [{"b": b} for b in (1, 2, 3, 4, 5)])
+    timer = _timer(1.0)
+
+    def with_five(fn, *, backend, config):
+        return 0.05 if config.get("b") == 5 else timer(fn, backend=backend, config=config)
+
+    again = T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",
+                   time_fn=with_five, progress=False, resume=True)
+    assert again["buckets"] == 2
+    assert all(r["backends"]["triton"]["config"] == {"b": 5} for r in again["data"]["ops"][FAKE].values())
+    calls = []
+    T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",
+           time_fn=lambda fn, **kw: calls.append(kw) or 1.0, progress=False, resume=True)
+    assert calls == []
+
+
 def test_tune_keeps_backends_it_did_not_sweep(tmp_path, monkeypatch):
     """Re-tuning one backend of a bucket keeps the others' entries; "best" is chosen over all."""
     _fake_modules(monkeypatch)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import hashlib
+import json
 import math
 import os
 import platform
@@ -333,7 +335,7 @@ def tune(ops: Optional[Sequence[str]] = None, backends: Optional[Sequence[str]] 
             bar.bucket(label)
             problem = spec.random_problem(**shape, dtype=dt, device=device, seed=seed)
             old = data["ops"].get(spec.name, {}).get(store.bucket_key(spec.features(problem)))
-            if resume and old is not None and old.get("complete"):
+            if resume and old is not None and old.get("complete") and _same_spaces(spec, problem, kernels, old):
                 bar.bucket_done()
                 say(f"[kept] {label}: already tuned (best {old.get('best')})")
                 continue
@@ -362,6 +364,24 @@ def tune(ops: Optional[Sequence[str]] = None, backends: Optional[Sequence[str]] 
     if tuned:
         data = _save({}, header, budget_s, path)
     return {"path": path, "data": data, "buckets": tuned, "planned": len(plan), "stopped": stopped}
+
+
+def space_digest(configs: list) -> str:
+    """A short digest of a config space, recorded with each swept backend's result: `--resume` tunes a
+    bucket again when its space has changed since (a new config option, other tiles)."""
+    return hashlib.sha1(json.dumps(configs, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _same_spaces(spec, problem: dict, kernels, old: dict) -> bool:
+    """Whether no kernel backend that `old` holds a result of, among those swept now, was swept over
+    another space than it has now (entries recorded before digests were kept count as the same)."""
+    feats = spec.features(problem)
+    for backend in [b for b in kernels if b in spec.kernel_backends]:
+        rec = old.get("backends", {}).get(backend)
+        if isinstance(rec, dict) and "space" in rec and \
+                rec["space"] != space_digest(space.config_space(spec.name, backend, feats)):
+            return False
+    return True
 
 
 def _keep_unswept(record: dict, old: Optional[dict]) -> None:
@@ -407,7 +427,8 @@ def _tune_bucket(spec: registry.OpSpec, problem: dict, shape: dict, dt: str, ker
                                  "first": result["failed"][:MAX_RECORDED_FAILURES]}
         if result["config"] is not None:
             per_backend[backend] = {"config": result["config"], "ms": result["ms"], "timed": result["timed"],
-                                    **spec.throughput(problem, result["ms"]), "runners_up": result["runners_up"]}
+                                    **spec.throughput(problem, result["ms"]), "runners_up": result["runners_up"],
+                                    "space": space_digest(configs)}
         if not result["complete"]:
             break
     if not per_backend:  # no kernel gave a verified config: record nothing for this bucket
