@@ -124,6 +124,39 @@ def captured_train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | 
     return capture(step, reset=lambda: opt.zero_grad(set_to_none=True))
 
 
+def graphed_train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | None = None,
+                       clip: float | None = None):
+    """A training step (forward, backward, optional gradient clipping, AdamW) captured in a CUDA graph
+    on the static batch `tokens`: returns run(batch) -> the loss tensor, which copies batch into
+    tokens and replays. `opt` must be capturable (make_optimizer), its learning rate a tensor to change
+    between replays. The warmup steps of the capture are undone: the weights are restored and AdamW's
+    state zeroed (its initial state), so the first replay is the run's first step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    out = {}
+
+    def step():
+        out["loss"] = _loss_backward(model, tokens, amp).detach()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+
+    graph = capture(step, reset=lambda: opt.zero_grad(set_to_none=True))
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+        for state in opt.state.values():
+            for v in state.values():
+                if torch.is_tensor(v):
+                    v.zero_()
+
+    def run(batch: torch.Tensor) -> torch.Tensor:
+        tokens.copy_(batch)
+        graph.replay()
+        return out["loss"]
+    return run
+
+
 def time_calls(fn, *, warmup: int, reps: int, device) -> list[float]:
     """Milliseconds of each of `reps` calls of fn after `warmup` calls: CUDA events around each call on
     a GPU (back to back, one synchronisation at the end), perf_counter on the CPU."""

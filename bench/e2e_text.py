@@ -11,7 +11,9 @@ read through importlib.resources; the modern-spelling Gutenberg texts `texts/*_g
 
 Training (the same for every variant, same seed, same batches): AdamW (fused) over fp32 master weights
 with bf16 autocast, a linear warmup then cosine decay to a tenth of --lr, gradient clipping, the
-paper's dropout; batches of --batch random windows of --seq-len + 1 bytes. Every --log-every steps the
+paper's dropout; batches of --batch random windows of --seq-len + 1 bytes. On a GPU each step replays
+a CUDA graph of it (forward, backward, clipping, AdamW; `--no-graph`: eager steps), so the small
+models' steps are not bound by the host's work per kernel. Every --log-every steps the
 mean training loss since the last log and the loss over fixed validation windows (the first
 --eval-batches batches of evenly spaced windows) go to the log. A variant whose training passes
 --max-minutes stops there and is marked so: compare variants only at equal steps.
@@ -120,11 +122,19 @@ def train_variant(variant: str, train: torch.Tensor, val: torch.Tensor, args, de
     if args.dropout is not None:
         over["dropout"] = args.dropout
     model = E.build(args.size, variant, device=device, **over)
-    opt = E.make_optimizer(model, lr=args.lr, weight_decay=args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps))
+    cuda = torch.device(device).type == "cuda"
+    schedule = lr_lambda(args.warmup, args.steps)
+    graphed = cuda and not args.no_graph
+    if graphed:  # the step in a CUDA graph: the learning rate lives in a tensor the schedule fills
+        lr = torch.tensor(args.lr, dtype=torch.float32, device=device)
+        opt = E.make_optimizer(model, lr=lr, weight_decay=args.weight_decay, capturable=True)
+        static = torch.zeros((args.batch, args.seq_len + 1), dtype=torch.long, device=device)
+        graph_step = E.graphed_train_step(model, opt, static, amp=amp, clip=args.clip)
+    else:
+        opt = E.make_optimizer(model, lr=args.lr, weight_decay=args.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     g = torch.Generator(device=device).manual_seed(args.seed)
     windows = eval_windows(val, args.eval_batches * args.batch, args.seq_len)
-    cuda = torch.device(device).type == "cuda"
     log, acc, n_acc, train_s = [], torch.zeros((), device=device), 0, 0.0
     stopped_early = False
     print(f"{variant}: {model.num_parameters() / 1e6:.1f}M parameters, {args.steps} steps of "
@@ -132,8 +142,12 @@ def train_variant(variant: str, train: torch.Tensor, val: torch.Tensor, args, de
     t0 = time.perf_counter()
     step = 0
     for step in range(1, args.steps + 1):
-        acc += E.train_step(model, opt, random_batch(train, args.batch, args.seq_len, g), amp=amp, clip=args.clip,
-                            scheduler=sched)
+        batch = random_batch(train, args.batch, args.seq_len, g)
+        if graphed:
+            lr.fill_(args.lr * schedule(step - 1))  # what LambdaLR gives step `step`
+            acc += graph_step(batch)
+        else:
+            acc += E.train_step(model, opt, batch, amp=amp, clip=args.clip, scheduler=sched)
         n_acc += 1
         last = step == args.steps or (time.perf_counter() - t0 + train_s) > 60 * args.max_minutes
         if step % args.log_every and not last:
@@ -142,7 +156,7 @@ def train_variant(variant: str, train: torch.Tensor, val: torch.Tensor, args, de
             torch.cuda.synchronize()
         train_s += time.perf_counter() - t0
         entry = {"step": step, "train_loss": float(acc / n_acc), "val_loss": evaluate(model, windows, args.batch, amp),
-                 "train_s": train_s, "lr": sched.get_last_lr()[0]}
+                 "train_s": train_s, "lr": args.lr * schedule(step)}
         log.append(entry)
         print(f"{variant:>10} step {step:>5}  train {entry['train_loss']:.4f}  val {entry['val_loss']:.4f}  "
               f"{1e3 * train_s / step:.1f} ms/step", flush=True)
@@ -159,7 +173,7 @@ def train_variant(variant: str, train: torch.Tensor, val: torch.Tensor, args, de
         t0 = time.perf_counter()
     final = log[-1]
     return {"size": args.size, "variant": variant, "steps": step, "steps_planned": args.steps,
-            "stopped_early": stopped_early, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
+            "stopped_early": stopped_early, "graph": graphed, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
             "warmup": args.warmup, "clip": args.clip, "weight_decay": args.weight_decay, "seed": args.seed,
             "dropout": model.config.dropout, "params": model.num_parameters(), "amp": str(amp),
             "final_train_loss": final["train_loss"], "final_val_loss": final["val_loss"],
@@ -254,6 +268,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-minutes", type=float, default=3.25,
                    help="stop a variant's training after this long (evaluations not counted)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-graph", action="store_true",
+                   help="eager steps on the GPU (default there: each step replays a CUDA graph of it)")
     p.add_argument("--text-file", type=Path, help="a plain-text corpus instead of the package's")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<device>/)")

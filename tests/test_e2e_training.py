@@ -297,3 +297,29 @@ def test_text_table_compares_a_stopped_run_at_a_common_step():
     md = e2e_text.markdown({"runs": [run("switchhead", [3.0, 2.2], True), run("dense", [3.0, 2.0, 1.5], False)]})
     assert "8 of 12 (stopped)" in md and "At step 8" in md and "gap +10.00%" in md
     assert "do not compare" not in md
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["dense", "switchhead"])
+def test_graphed_train_step_equals_eager_steps(variant):
+    """e2e_text's CUDA-graph step (forward, backward, clipping, AdamW with a tensor learning rate): the
+    losses and weights of eager steps on the same batches, so the capture's warmup steps leave no trace
+    (a large learning rate makes three extra steps show)."""
+    def run(graphed):
+        torch.manual_seed(0)
+        model = E.build("47M", variant, device="cuda", vocab_size=256, dropout=0.0, n_layers=2)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        batches = [torch.randint(0, 256, (4, 65), generator=g, device="cuda") for _ in range(4)]
+        if graphed:
+            opt = E.make_optimizer(model, lr=torch.tensor(1e-2, device="cuda"), capturable=True)
+            step = E.graphed_train_step(model, opt, torch.zeros_like(batches[0]), amp=torch.bfloat16, clip=1.0)
+            losses = [step(b).item() for b in batches]
+        else:
+            opt = E.make_optimizer(model, lr=1e-2)
+            losses = [E.train_step(model, opt, b, amp=torch.bfloat16, clip=1.0).item() for b in batches]
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    (lg, wg), (le, we) = run(True), run(False)
+    assert lg == pytest.approx(le, rel=2e-3)
+    for a, b in zip(wg, we):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
