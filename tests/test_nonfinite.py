@@ -121,7 +121,7 @@ def test_eva_attention_isolates_nonfinite(backend, case):
 # one poisoned position per case that some rows of its tiles see and others do not (the leak before):
 # a value on the causal diagonal, a summary visible to the second window only, a key past a window
 FIXED = [("v", 5, "block"), ("v", 21, "sliding"), ("v_sum", 1, "block"), ("v_sum", 2, "sliding"),
-         ("k", 5, "block"), ("k_sum", 1, "sliding")]
+         ("k", 5, "block"), ("k_sum", 1, "sliding"), ("summary_bias", 1, "block"), ("summary_bias", 2, "sliding")]
 
 
 @pytest.mark.parametrize("backend", _backends())

@@ -237,6 +237,14 @@ def _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, stride_kn,
             k, v = _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)                # raw q.k
+        if BIAS_MODE != 0:  # the bias before the mask: a NaN or inf bias must not reach rows masked off
+            s = s * qk_scale                                                # base-2 logits
+            if BIAS_MODE == 1:
+                bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=is_sum & (n < limit), other=0.0)
+                s += bias.to(tl.float32)[None, :] * 1.4426950408889634
+            else:
+                count = tl.minimum(C, Nk - n * C).to(tl.float32)            # tokens of chunk n
+                s += tl.where(is_sum, tl.log2(tl.maximum(count, 1.0)), 0.0)[None, :]
         full = tl.where(is_sum, e < nb_s_full, (ee >= e_a) & (ee < e_b))
         if not full:
             lo_row = tl.where(is_sum, 0, st_row)
@@ -250,13 +258,6 @@ def _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, stride_kn,
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s * qk_scale - m_use[:, None])
         else:
-            s = s * qk_scale                                                # base-2 logits
-            if BIAS_MODE == 1:
-                bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=is_sum & (n < limit), other=0.0)
-                s += bias.to(tl.float32)[None, :] * 1.4426950408889634
-            else:
-                count = tl.minimum(C, Nk - n * C).to(tl.float32)            # tokens of chunk n
-                s += tl.where(is_sum, tl.log2(tl.maximum(count, 1.0)), 0.0)[None, :]
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_use[:, None])
