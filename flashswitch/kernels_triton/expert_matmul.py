@@ -337,6 +337,17 @@ def _dense_z_calls(T, S, E, G, spg_src, d, s_src, sg, has_gates, fast):
     return pair_experts, dense_z
 
 
+def _weights_cat(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight [E, d_in, d_out] as W_cat [E·d_in, d_out] in `dtype` (fp32 master weights under 16-bit x
+    are cast: the dense GEMMs read x's dtype), in one copy at most."""
+    E, d_in, d_out = weight.shape
+    if weight.dtype == dtype:
+        return weight.reshape(E * d_in, d_out)
+    w_cat = torch.empty((E * d_in, d_out), dtype=dtype, device=weight.device)
+    w_cat.view(E, d_in, d_out).copy_(weight)
+    return w_cat
+
+
 def _dense_forward(T, S, E, d_in, d_out, G_in, G_out, sx, sg, has_gates, fast):
     """Config DENSE_Z (module docstring): Z [T·G_out, E·d_in] of gated x rows, then y = Z · W_cat."""
     pair_experts, dense_z = _dense_z_calls(T, S, E, G_out, S // G_in, d_in, sx, sg, has_gates, fast)
@@ -346,12 +357,7 @@ def _dense_forward(T, S, E, d_in, d_out, G_in, G_out, sx, sg, has_gates, fast):
         pair_experts(route.token, route.slot, route.offsets, pe)
         z = torch.zeros((T * G_out, E * d_in), dtype=x3.dtype, device=x3.device)
         dense_z(x3, gates if has_gates else x3, pe, z)
-        if weight.dtype == x3.dtype:
-            w_cat = weight.reshape(E * d_in, d_out)
-        else:  # fp32 master weights under 16-bit x: cast once (the GEMM reads x's dtype)
-            w_cat = torch.empty((E * d_in, d_out), dtype=x3.dtype, device=x3.device)
-            w_cat.view(E, d_in, d_out).copy_(weight)
-        torch.mm(z, w_cat, out=y.view(T * G_out, d_out))
+        torch.mm(z, _weights_cat(weight, x3.dtype), out=y.view(T * G_out, d_out))
 
     enqueue.calls = (pair_experts, dense_z)
     return enqueue

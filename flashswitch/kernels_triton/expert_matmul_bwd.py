@@ -36,7 +36,7 @@ import triton.language as tl
 from flashswitch.kernels_triton.kernel_call import KernelCall
 from flashswitch.kernels_triton.expert_matmul import (_aligned, _dense_z_calls, _gather_gemm, _group_row,
                                                        _group_sum_call, _pair_gates, _pow2, _pow2_divisor,
-                                                       _row_tile_grid, _tile_of, _tile_pairs)
+                                                       _row_tile_grid, _tile_of, _tile_pairs, _weights_cat)
 
 DX_KEYS = ("DX_BLOCK_M", "DX_BLOCK_N", "DX_BLOCK_K", "DX_INTERLEAVE", "DX_PARTIALS", "DX_num_warps",
            "DX_num_stages")
@@ -384,12 +384,7 @@ def _dense_x_steps(dims, x_dtype, w_dtype, has_gates, sg, sx, want_dx, want_dw, 
             else:  # fp32 master weights: the fp32 sums, not rounded through x's dtype
                 dweight.view(E * d_in, d_out).copy_(_mm(z.t(), dy_flat, w_dtype))
         if want_dx or want_dg:
-            if w_dtype == x_dtype:
-                w_cat = weight.reshape(E * d_in, d_out)
-            else:
-                w_cat = torch.empty((E * d_in, d_out), dtype=x_dtype, device=x3.device)
-                w_cat.view(E, d_in, d_out).copy_(weight)
-            dz = torch.mm(dy_flat, w_cat.t())
+            dz = torch.mm(dy_flat, _weights_cat(weight, x_dtype).t())
             dense_dx(dz, x3, g, pe, dx if want_dx else dz, dgates if want_dg else dz)
     return step
 
