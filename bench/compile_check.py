@@ -119,19 +119,22 @@ def resource_usage(kernel, arch: int = 90) -> dict:
     cubin (sass: the digest of its instructions), and whether ptxas serializes its wgmma (warnings
     C7514-C7515: an accumulator register touched while its wgmma runs, so every wgmma waits for the
     previous one)."""
+    import triton
     from triton.backends.nvidia import compiler as nv
 
     ptxas = Path(nv.get_ptxas(arch).path)
+    # Triton's own lookup: torch may point TRITON_PTXAS_PATH at a ptxas with no cuobjdump beside it
+    cuobjdump = Path(triton.knobs.nvidia.cuobjdump.path)
     out = {"shared": kernel.metadata.shared}
     with tempfile.TemporaryDirectory() as tmp:
         cubin, ptx = Path(tmp) / "k.cubin", Path(tmp) / "k.ptx"
         cubin.write_bytes(kernel.asm["cubin"])
-        text = subprocess.run([str(ptxas.with_name("cuobjdump")), "-res-usage", str(cubin)],
+        text = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)],
                               capture_output=True, text=True).stdout
         m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", text)
         if m:
             out.update(regs=int(m.group(1)), local=int(m.group(2)))
-        out["sass"] = _sass_digest(ptxas.with_name("cuobjdump"), cubin)
+        out["sass"] = _sass_digest(cuobjdump, cubin)
         if "wgmma" in kernel.asm.get("ptx", ""):
             ptx.write_text(kernel.asm["ptx"])
             log = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(ptx), "-o", str(Path(tmp) / "v.cubin")],

@@ -304,10 +304,14 @@ def test_text_table_compares_a_stopped_run_at_a_common_step():
 def test_graphed_train_step_equals_eager_steps(variant):
     """e2e_text's CUDA-graph step (forward, backward, clipping, AdamW with a tensor learning rate): the
     losses and weights of eager steps on the same batches, so the capture's warmup steps leave no trace
-    (a large learning rate makes three extra steps show)."""
+    (a large learning rate makes three extra steps show). Weights are compared by their updates: bf16
+    rounding differs between the two paths (SwitchHead's eager router takes its own top-k kernel), and
+    Adam turns a near-zero gradient's sign into a full step, so single entries may differ by ~lr while
+    three extra steps would move every tensor's update by a large fraction."""
     def run(graphed):
         torch.manual_seed(0)
         model = E.build("47M", variant, device="cuda", vocab_size=256, dropout=0.0, n_layers=2)
+        start = [p.detach().clone() for p in model.parameters()]
         g = torch.Generator(device="cuda").manual_seed(1)
         batches = [torch.randint(0, 256, (4, 65), generator=g, device="cuda") for _ in range(4)]
         if graphed:
@@ -317,9 +321,9 @@ def test_graphed_train_step_equals_eager_steps(variant):
         else:
             opt = E.make_optimizer(model, lr=1e-2)
             losses = [E.train_step(model, opt, b, amp=torch.bfloat16, clip=1.0).item() for b in batches]
-        return losses, [p.detach().clone() for p in model.parameters()]
+        return losses, [p.detach() - p0 for p, p0 in zip(model.parameters(), start)]
 
-    (lg, wg), (le, we) = run(True), run(False)
+    (lg, ug), (le, ue) = run(True), run(False)
     assert lg == pytest.approx(le, rel=2e-3)
-    for a, b in zip(wg, we):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    for a, b in zip(ug, ue):
+        assert (a - b).norm() <= 0.05 * b.norm(), ((a - b).norm().item(), b.norm().item())

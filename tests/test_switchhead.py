@@ -128,9 +128,12 @@ def _run_plain(plain, layer, x, dy, dtype):
     return y.detach(), {"x": xp.grad, **{n: p.grad for n, p in P.items()}}
 
 
-def check_against_plain(layer, plain, x, *, backward: bool):
+def check_against_plain(layer, plain, x, *, backward: bool, one_key_rows: bool = False):
     """The layer (fp32) within the SPEC rule of the fp64 plain version, with the fp32 plain version as
-    baseline: its output and, with `backward`, the gradients of x and every parameter."""
+    baseline: its output and, with `backward`, the gradients of x and every parameter. `one_key_rows`:
+    every attention row sees one key, so the q/k projection's gradient is exactly zero and a kernel's
+    answer is the rounding of its softmax backward; it is judged against a quarter of the value
+    projection's gradient, the size it has when nothing cancels (as the op tests' rows seeing one key)."""
     x = x.detach().requires_grad_(backward)
     y = layer(x)
     dy = torch.randn_like(y)
@@ -143,9 +146,11 @@ def check_against_plain(layer, plain, x, *, backward: bool):
     layer.zero_grad(set_to_none=True)
     (y * dy).sum().backward()
     grads = {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    floors = {"qk": 0.25 * ref_grads["v_experts"].norm().item()} if one_key_rows else {}
     for name, g in grads.items():
         assert g is not None, f"no gradient for {name}"
-        assert_close(f"d{name}", g, ref_grads[name], torch.float32, baseline=base_grads[name])
+        assert_close(f"d{name}", g, ref_grads[name], torch.float32, baseline=base_grads[name],
+                     floor=floors.get(name, 0.0))
     return grads
 
 
@@ -169,7 +174,8 @@ def _switchhead(c, backend):
 @given(case=switchhead_cases())
 def test_switchhead_matches_plain(backend, case):
     layer, x = _switchhead(case, backend)
-    check_against_plain(layer, plain_switchhead, x, backward=backend in grad_backends())
+    check_against_plain(layer, plain_switchhead, x, backward=backend in grad_backends(),
+                        one_key_rows=case["N"] == 1)
 
 
 @st.composite
