@@ -4,8 +4,8 @@
 # plot. Results land in bench/results/<device>/ and the config folder; logs go to $OUT/logs and
 # everything is packed into $OUT/results.tgz (default OUT: ./gpu_out).
 #   STAGES=build,test,check,ceilings,autotune,bench OPS=chunk_summaries TESTS='tests/test_x.py ...' \
-#   TUNE_BUDGET=240 STAGE_LIMIT=1200 bench/run_gpu.sh   (STAGE_LIMIT: seconds per stage, unless the stage's
-#   own BUILD_LIMIT / TEST_LIMIT (per file) / TUNE_LIMIT / BENCH_LIMIT (per op) is set; the build's defaults to 300)
+#   TUNE_BUDGET=240 STAGE_LIMIT=1200 bench/run_gpu.sh   (autotune resumes; TUNE_FRESH=1 sweeps again.
+#   STAGE_LIMIT: seconds per stage, unless the stage's own BUILD_LIMIT / TEST_LIMIT (per file) / TUNE_LIMIT / BENCH_LIMIT (per op) is set; the build's defaults to 300)
 # Stage suite (not in the default list): the whole suite in one pytest process, one log (test_suite.log)
 # and each test's time as it finishes (test_times.tsv). For a suite longer than one command may run:
 # stage suite_start launches it detached (setsid; it outlives the command, writing to $SUITE_DIR), and
@@ -33,6 +33,14 @@ run() {  # run NAME CMD...: log to $LOGS/NAME.log, print its last lines, remembe
   [ $rc -eq 0 ] || status=1
   pack  # after every stage, so a run cut short still returns what it finished
   return $rc
+}
+# before a timing stage: wait (up to 2 min) until no other process computes on the GPU (a finished
+# suite's leftovers slowed the timings that followed it), and say so if one still does
+gpu_quiet() {
+  local t0=$SECONDS busy
+  while busy=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null) &&
+        [ -n "$busy" ] && [ $((SECONDS - t0)) -lt 120 ]; do sleep 3; done
+  [ -z "$busy" ] || echo "== warning: timing while other processes use the GPU: $busy"
 }
 pack() { tar czf "$OUT/results.tgz" bench/results flashswitch/autotune/configs -C "$OUT" logs 2>/dev/null; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOGS/nvidia-smi.log"
@@ -89,6 +97,7 @@ if stage test; then
   done
 fi
 stage check && run check $PY -m flashswitch check
+if stage ceilings || stage host || stage e2e || stage text || stage autotune || stage bench; then gpu_quiet; fi
 stage ceilings && run ceilings $PY bench/ceilings.py
 stage host && run host_time $PY bench/host_time.py --ops ${OPS//,/ } ${HOST_ARGS:-}
 if stage e2e; then
@@ -99,7 +108,7 @@ if stage text; then
   ls .wheels/*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-deps .wheels/*.whl
   run e2e_text $PY bench/e2e_text.py ${TEXT_ARGS:-}
 fi
-stage autotune && STAGE_LIMIT=$(limit "${TUNE_LIMIT:-}") run autotune $PY -m flashswitch autotune --ops ${OPS//,/ } --budget "${TUNE_BUDGET:-240}" --resume ${TUNE_ARGS:-}
+stage autotune && STAGE_LIMIT=$(limit "${TUNE_LIMIT:-}") run autotune $PY -m flashswitch autotune --ops ${OPS//,/ } --budget "${TUNE_BUDGET:-240}" $([ -n "${TUNE_FRESH:-}" ] || echo --resume) ${TUNE_ARGS:-}
 if stage bench; then
   for op in ${OPS//,/ }; do
     STAGE_LIMIT=$(limit "${BENCH_LIMIT:-}") run "bench_$op" $PY -m flashswitch bench --ops "$op" -- ${BENCH_K:+-k "$BENCH_K"}

@@ -256,7 +256,7 @@ def _fake_modules(monkeypatch, wrong=()):
     def numpy_fake_op(x, *, scale=2.0):
         return x.detach().cpu().double().numpy() * scale
 
-    def random_problem(n=8, *, dtype=torch.float32, device="cpu", seed=0):
+    def random_problem(n=8, *, dtype=torch.float32, device="cpu", seed=0, weight_dtype=None):
         g = torch.Generator().manual_seed(seed)
         return {"x": torch.randn(n, generator=g).to(dtype=dtype, device=device)}
 
@@ -315,6 +315,17 @@ def test_tune_end_to_end_on_a_fake_op(tmp_path, monkeypatch):
     monkeypatch.setattr(store, "_file_memo", {})
     feats = next(iter(table.values()))["features"]
     assert store.lookup(FAKE, "triton", feats) == {"b": 3}
+
+
+def test_tune_records_shapes_with_dtypes(tmp_path, monkeypatch):
+    """A tune shape naming a dtype (op 3's fp32 master weights) is written to the JSON file by name."""
+    _fake_modules(monkeypatch)
+    monkeypatch.setitem(space.TUNE_SHAPES, FAKE, [dict(n=8, weight_dtype=torch.float32)])
+    res = T.tune(ops=[FAKE], backends=["triton"], dtypes=("fp32",), out_dir=tmp_path, device="cpu",
+                 time_fn=_timer(1.0), progress=False)
+    assert res["buckets"] == 1
+    rec, = json.loads(res["path"].read_text())["ops"][FAKE].values()
+    assert rec["shape"] == {"n": 8, "weight_dtype": "float32"}
 
 
 def test_tune_prefers_a_faster_reference_and_keeps_budget(tmp_path, monkeypatch):

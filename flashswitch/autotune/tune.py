@@ -441,8 +441,13 @@ def _tune_bucket(spec: registry.OpSpec, problem: dict, shape: dict, dt: str, ker
     except Exception as err:
         failures["reference"] = {"count": 1, "first": [{"config": {}, "error": _short(err)}]}
     best = choose_best({b: e["ms"] for b, e in per_backend.items()})
-    return {"features": feats, "shape": dict(shape), "dtype": dt, "best": best, "backends": per_backend,
+    return {"features": feats, "shape": _json_shape(shape), "dtype": dt, "best": best, "backends": per_backend,
             "failures": failures, "complete": complete}
+
+
+def _json_shape(shape: dict) -> dict:
+    """The tune shape as the config file records it: torch dtypes (fp32 master weights) by name."""
+    return {k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v for k, v in shape.items()}
 
 
 __all__ = ["tune", "sweep_configs", "choose_best", "bench_ms", "device_header", "versions"]
