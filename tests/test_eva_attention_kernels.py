@@ -319,12 +319,33 @@ def test_gluon_peaked_logits(window, C, W, bias, monkeypatch):
     _check_gluon(p, dict(BLOCK_N=64, num_stages=3), Nk, monkeypatch, scale=6 / D ** 0.5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("Nq,Nk,runs_gluon", [(128, 128, False), (1024, 1024, True)])
+def test_gluon_config_on_tiny_problems_runs_the_triton_kernel(Nq, Nk, runs_gluon, monkeypatch):
+    """Config GLUON (what the nearest tuned bucket gives a small prefill) on a problem below
+    eva_attention_gluon.MIN_MACS runs the Triton kernel, whose launch costs less host time than the
+    Gluon one; a larger problem runs the Gluon kernel. Both match the oracle."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for sm_90")
+    from flashswitch.kernels_triton import eva_attention_gluon as glu
+    ran = []
+    real = glu.launch
+    monkeypatch.setattr(glu, "launch", lambda *a, **kw: (ran.append(1), real(*a, **kw)))
+    p = random_problem(1, 2, 2, Nq, Nk, 64, 16, 64, window="block", dtype=torch.bfloat16, device=DEVICE, seed=3)
+    out = _run("triton", p, config=dict(GLUON=True, BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4))
+    assert bool(ran) == runs_gluon
+    ref_o, ref_l = numpy_eva_attention(**p, return_lse=True)
+    assert_close("o", out[0], ref_o, torch.bfloat16)
+    assert_close("lse", out[1], ref_l, torch.bfloat16)
+
+
 def _check_gluon(p, cfg, Nk, monkeypatch, scale=None):
     """Run config GLUON + cfg on p with NaN past Nk and in the summaries no query sees, check that the
     Gluon kernel ran (not the Triton fallback) and compare with the oracle."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for sm_90")
     from flashswitch.kernels_triton import eva_attention_gluon as glu
+    monkeypatch.setattr(glu, "MIN_MACS", 0)  # these small problems exercise the kernel's edges
     ran = []
     real = glu.launch
     monkeypatch.setattr(glu, "launch", lambda *a, **kw: (ran.append(1), real(*a, **kw)))

@@ -696,10 +696,12 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sli
     enqueue.calls = tuple(c for c in (fwd, fwd_tma, combine) if c is not None)  # what it launches (tests)
     if not (config and config.get("GLUON")):
         return enqueue
+    from flashswitch.kernels_triton import eva_attention_gluon as glu
+    if not glu.worth_launching(B, H, Nq, Nk, Nc, D):
+        return enqueue
 
     def enqueue_gluon(q, k, v, k_sum, v_sum, bias, o, lse):
         """The warp-specialized Hopper kernel where it takes this call (its checks read addresses)."""
-        from flashswitch.kernels_triton import eva_attention_gluon as glu
         if glu.supports(q, k, v, k_sum, v_sum, bias, scale, config):
             glu.launch(q, k, v, k_sum, v_sum, o, lse, chunk_size=C, window_size=W, sliding=sliding, scale=scale,
                        q_offset=q_offset, log_count=log_count, config=config)

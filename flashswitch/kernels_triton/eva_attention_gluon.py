@@ -271,6 +271,16 @@ def _eva_fwd_gluon(
 
 
 # ---------------------------------------------------------------- launcher
+# Problems below this many q.k multiply-adds (every query against every key and summary row) run the
+# Triton kernel: their kernel takes microseconds, and the Gluon launch's host work (argument binding,
+# five TMA descriptors) would be most of the call
+MIN_MACS = 2 ** 24
+
+
+def worth_launching(B: int, H: int, Nq: int, Nk: int, Nc: int, D: int) -> bool:
+    return B * H * Nq * (Nk + Nc) * D >= MIN_MACS
+
+
 def supports(q, k, v, k_sum, v_sum, bias, scale, config) -> bool:
     """Whether this kernel takes the problem (else the Triton kernel does): Hopper only (wgmma), never
     under the Triton interpreter, which does not run Gluon. (CPU tensors pass: bench/compile_check.py
