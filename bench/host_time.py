@@ -16,7 +16,7 @@ the rows then show flashswitch's own Python cost. Without a GPU the Triton backe
 under TRITON_INTERPRET=1 and --stub is implied. --jit-launch sets FLASHSWITCH_FAST_LAUNCH=0 (every
 launch through Triton's launcher instead of the direct launches of the compiled kernels that are the
 default on CUDA, kernels_triton/kernel_call.py; no effect with --stub). Writes host_time.json and host_time.md under
-bench/results/<device>/ (or --out).
+bench/results/<device>/ (or --out); without a GPU only with --out (a CPU run is no device's result).
 """
 from __future__ import annotations
 
@@ -223,6 +223,9 @@ def main() -> None:
                 if label.startswith("tiny") and not args.no_backward:
                     record(f"{op} fwd+bwd", label, shape, backend, training_call(op, problem, backend))
 
+    if args.out is None and not gpu:
+        print("no GPU: the rows above are not written (--out DIR keeps them)")
+        return
     folder = args.out or results_dir()
     folder.mkdir(parents=True, exist_ok=True)
     meta = {**env_info(), "created": now(), "calls": args.calls, "stub": stub, "fast_launch": fast, "dtype": dtype,

@@ -381,6 +381,28 @@ def test_host_time_bench_writes_its_table(tmp_path):
     assert (tmp_path / "host_time.md").read_text().count("\n|") >= len(rows) + 1
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="a CPU run: no device's results")
+def test_host_time_bench_without_gpu_writes_nothing_unasked(tmp_path):
+    """Without a GPU and without --out, bench/host_time.py prints its rows and writes no file (it wrote
+    a bench/results/cpu/ folder into the tree)."""
+    import shutil
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    work = tmp_path / "repo"
+    (work / "bench").mkdir(parents=True)
+    for f in ("host_time.py", "common.py"):
+        shutil.copy(root / "bench" / f, work / "bench" / f)
+    env = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(work / "bench" / "host_time.py"), "--calls", "5", "--tiny-only",
+                           "--stub", "--ops", "expert_matmul", "--no-backward"], env=env, cwd=work, timeout=600,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "not written" in proc.stdout
+    assert sorted(p.relative_to(work).as_posix() for p in work.rglob("*") if "__pycache__" not in p.parts) == \
+        ["bench", "bench/common.py", "bench/host_time.py"]
+
+
 # ---------------------------------------------------------------- the eager autograd path
 CUSTOM_OPS = {"chunk_summaries": "_chunk_summaries_op", "eva_attention": "_eva_attention_op",
               "expert_matmul": "_expert_matmul_op"}
