@@ -201,7 +201,11 @@ def device_slug(name: str) -> str:
     return store.device_slug(name)
 
 
-def default_out_dir(device) -> Path:
+def default_out_dir(device):
+    """bench/results/<device>/ for a GPU run; None for a CPU run, which is no device's result (its
+    callers write only with --out)."""
+    if torch.device(device).type != "cuda":
+        return None
     return BENCH_DIR / "results" / device_slug(env_info(device)["device"])
 
 

@@ -292,6 +292,10 @@ def main(argv=None) -> int:
         E.free_memory(device)
         runs.append(train_variant(variant, train, val, args, device))
     folder = args.out or E.default_out_dir(device)
+    if folder is None:
+        print(markdown({"runs": runs}))
+        print("a CPU run: not written (--out DIR keeps it)")
+        return 0
     header = {**E.env_info(device), "created": E.now(),
               "corpus": {"source": source, "train_bytes": len(train_b), "val_bytes": len(val_b),
                          "val_fraction": args.val_fraction}}

@@ -412,6 +412,10 @@ def main(argv=None) -> int:
         sections["macs"] += [r for r in mac_rows([args.layer_size], args.layer_seq_lens)
                              if r["size"] not in args.sizes or r["seq_len"] not in args.seq_lens]
     header = {**E.env_info(device), "amp": str(E.amp_dtype(device) or "none (fp32)").replace("torch.", ""), "created": E.now()}
+    if folder is None:
+        print(markdown({**header, **sections}))
+        print("a CPU run: not written (--out DIR keeps it)")
+        return 1 if any(r.get("error") for part in ("models", "layers") for r in sections.get(part, [])) else 0
     data = E.merge_json(folder / f"{NAME}.json", sections, KEYS, header)
     for path in write_outputs(data, folder):
         print(f"wrote {path}")

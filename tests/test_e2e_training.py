@@ -198,6 +198,21 @@ def test_e2e_training_script(tmp_path):
     assert (tmp_path / "e2e_training.png").stat().st_size > 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU run: no device's results")
+def test_e2e_scripts_without_gpu_write_nothing_unasked(tmp_path, capsys):
+    """On the CPU without --out both scripts print their tables and write no file (they wrote a
+    bench/results/<cpu name>/ folder into the tree)."""
+    results = BENCH / "results"
+    before = sorted(p for p in results.rglob("*"))
+    assert e2e_training.main(["--sizes", "tiny", "--variants", "dense", "--impls", "flashswitch", "--seq-lens", "8",
+                              "--tokens", "16", "--steps", "1", "--warmup", "0", "--parts", "models"]) == 0
+    text = _text_file(tmp_path / "corpus.txt")
+    assert e2e_text.main(["--size", "tiny", "--variants", "dense", "--steps", "2", "--batch", "2", "--seq-len", "8",
+                          "--log-every", "1", "--eval-batches", "1", "--warmup", "1", "--text-file", str(text)]) == 0
+    assert sorted(p for p in results.rglob("*")) == before
+    assert capsys.readouterr().out.count("not written") == 2
+
+
 def test_graph_columns():
     """The graph-captured times and their speedup over dense's in both tables; a failed capture shows."""
     row = dict(size="tiny", seq_len=8, batch=4, tokens=32, impl="flashswitch", tokens_per_s=1e3, model_TFLOPs=1.0)
