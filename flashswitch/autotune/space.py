@@ -1,7 +1,8 @@
 """Each kernel's configuration space, shape buckets, heuristic defaults and tuning shapes, declared once.
 
 A *bucket* is a small dict of features of a call: categorical strings (dtype, mode) must match
-exactly; integer features are compared on a log2 scale when the store looks for the nearest bucket.
+exactly (but for SOFT_FEATURES); integer features are compared on a log2 scale when the store looks
+for the nearest bucket.
 Sizes that only change the grid (token counts) are rounded to a power of two so that a new length
 needs no retuning.
 """
@@ -32,6 +33,13 @@ def features(op: str, **kw) -> dict:
         else:
             out[name] = int(value)
     return out
+
+
+# Categorical features a nearest bucket may differ in, at this log2 distance: a bucket tuned with
+# 16-bit weights serves fp32 master weights of the same shape (what layers under autocast pass; the
+# kernels read the weight tiles and cast them, and config_fits checks that the wider tiles still fit).
+# An exact match, or a near one of the same weight dtype, wins.
+SOFT_FEATURES = {"wdtype": 2.0}
 
 
 # features that only change the grid: bucketed to powers of two
@@ -593,6 +601,15 @@ def _em_dense_config_fits(modes: dict):
     return fits
 
 
+def _em_triton_config_fits(f: dict, cfg: dict) -> bool:
+    """A forward config fits when its dense mode may run here and its A/B stages fit shared memory at
+    this bucket's dtypes (fp32 weights double the B tiles)."""
+    tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    if all(isinstance(cfg.get(k), int) for k in tiles) and not _em_triton_fits(f, *(cfg[k] for k in tiles)):
+        return False
+    return _em_dense_config_fits({"DENSE_Z": "G_out"})(f, cfg)
+
+
 def _em_bwd_triton_default(f: dict) -> dict:
     cap, bin_, bout = _em_bwd_tiles(f)
     per_expert = _em_facts(f)["per_expert"]
@@ -665,7 +682,7 @@ DEFAULTS = {
 FITS = {
     ("eva_attention", "triton"): _eva_triton_config_fits,
     ("eva_attention.bwd", "triton"): _eva_bwd_config_fits,
-    ("expert_matmul", "triton"): _em_dense_config_fits({"DENSE_Z": "G_out"}),
+    ("expert_matmul", "triton"): _em_triton_config_fits,
     ("expert_matmul.bwd", "triton"): _em_dense_config_fits({"DENSE_Z": "G_in", "DENSE_X": "G_out"}),
 }
 
