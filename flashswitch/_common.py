@@ -136,9 +136,13 @@ def eager_fast_path(*tensors) -> bool:
     """Whether an op call may skip its torch.library custom op and call the backend directly: eager
     (not traced) and needing no autograd. The custom op's dispatcher layers cost tens of microseconds
     per call, as much as a small kernel; traced calls and calls on tensors that require grad keep them."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _under_functorch():
         return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN_TENSORS or (grad and t.requires_grad)):
+            return False
+    return True
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -149,12 +153,18 @@ def eager_autograd_path(*tensors) -> bool:
     instead of its custom op (the same kernels both ways): not traced, plain tensors (no subclass such
     as DTensor or a fake tensor) and no functorch transform, which only the custom op's registrations
     serve. Saves the custom op's dispatcher layers on the forward and on the backward."""
-    if torch.compiler.is_compiling():
-        return False
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    if peek is not None and peek() is not None:
+    if torch.compiler.is_compiling() or _under_functorch():
         return False
     return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+
+
+_PEEK_FUNCTORCH = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
+
+
+def _under_functorch() -> bool:
+    """Whether a functorch transform (vmap, grad, jvp) is active: only the custom op's registrations
+    serve its wrapped tensors."""
+    return _PEEK_FUNCTORCH() is not None
 
 
 # ---------------------------------------------------------------- outputs

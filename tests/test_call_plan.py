@@ -8,6 +8,7 @@ import math
 import os
 import re
 import time
+import warnings
 from pathlib import Path
 from types import MappingProxyType
 
@@ -445,3 +446,29 @@ def test_eager_autograd_path_equals_the_custom_op(op, monkeypatch):
     assert calls
     for a, b in zip(outs + list(grads), outs2 + list(grads2)):
         assert torch.equal(a, b)
+
+
+VMAPPED = {"chunk_summaries": ("k", "v"), "eva_attention": ("q", "k", "v", "k_sum", "v_sum"), "expert_matmul": ("x",)}
+
+
+@pytest.mark.parametrize("backend", kernel_backends())
+@pytest.mark.parametrize("op", list(MODULES))
+def test_vmap_without_gradients_runs_through_the_custom_op(op, backend):
+    """Under torch.vmap a call that needs no gradient still takes the custom op (whose batching falls
+    back to one call per slice), never the eager fast path, which would hand the kernels batched
+    tensors: each slice of the result is the call on that slice."""
+    p0, p1 = _problem(op, seed=3), _problem(op, seed=4)
+    if op == "expert_matmul":
+        p0["route"] = flashswitch.route(p0.pop("expert_idx"), p0.pop("num_experts"))
+        p1 = {**p0, "x": p1["x"]}
+    names = VMAPPED[op]
+
+    def f(*ts):
+        return _call(op, {**p0, **dict(zip(names, ts))}, backend)
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's note that the batching rule is a loop
+        batched = torch.vmap(f)(*(torch.stack([p0[n], p1[n]]) for n in names))
+        for i, p in enumerate((p0, p1)):
+            for got, want in zip(batched, f(*(p[n] for n in names))):
+                assert torch.equal(got[i], want)

@@ -266,7 +266,7 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
         from flashswitch.reference.chunk_summaries import torch_chunk_summaries
         out = torch_chunk_summaries(k, v, chunk_size, omega=omega, key_weight=key_weight, valid=valid,
                                     scale=plan.scale, return_lse=True)
-    elif C.eager_fast_path(k, v, omega, key_weight):
+    elif C.eager_fast_path(k, v, omega, key_weight, valid):
         out = _run_backend(plan.backend, k, v, chunk_size, omega, key_weight, valid, plan.scale, plan.config,
                            plan.enqueue)
     elif C.eager_autograd_path(k, v, omega, key_weight, valid):
