@@ -220,8 +220,10 @@ def check_op(op: str, shapes, first, arch: int, dtype: str, tuned=None) -> list[
 
 
 def check_eva_cache(arch: int, dtype: str) -> list[dict]:
-    """Compile the two launches of an EvaCache decode step (kernels_triton/eva_cache.py) as a cache of
-    the e2e generation's shape launches them: each window, with and without a summary-bias tensor."""
+    """Compile the launches of an EvaCache decode step (kernels_triton/eva_cache.py) as a cache of the e2e
+    generation's shape launches them: each window, with and without a summary-bias tensor; the two
+    around op 1, and the one-launch step (mean summaries with the log-count bias, weighted ones with
+    the tensor)."""
     from flashswitch import EvaCache
     from flashswitch.kernels_triton import eva_cache as kernels
 
@@ -238,6 +240,9 @@ def check_eva_cache(arch: int, dtype: str) -> list[dict]:
             kernels.gather_chunk(cache.k, cache.v, cache.lengths, **shape)
             kernels.append(cache.k, cache.v, cache.bias, cache.lengths, cache.lengths.clone(), x, x, x, x, user,
                            window_size=W, window=window, on_bias=0.0, **shape)
+            centre = torch.zeros(Hkv, D, dtype=dt) if bias == "tensor" else None
+            kernels.step(cache.k, cache.v, cache.bias, cache.lengths, cache._done_programs, x, x, centre, centre,
+                         user, window_size=W, window=window, on_bias=0.0, scale=D ** -0.5, **shape)
 
         config = {"window": window, "summary_bias": bias}
         rows.append(compile_row({"op": "eva_cache", "shape": index, "config": config}, [kernels], run, arch,

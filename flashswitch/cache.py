@@ -14,10 +14,11 @@ and it can be captured in a CUDA graph and replayed for every token. A chunk is 
 when it completes (its C tokens are still in the ring), written to its slot, and becomes visible
 when the window start passes it; the masked bias reproduces op 2's rule for every query exactly.
 
-A one-token step is four launches plus op 1's and op 2's own: kernels_triton/eva_cache.py's
-gather_chunk (the ring rows of the chunk ending at t - 1), op 1 on them, its append (token rows, the
-summary slot where a chunk completed, the bias row, lengths += 1), op 2. CPU tensors outside the
-Triton backend take the same two stages as torch ops (about 40 small kernels).
+A one-token step is two launches plus op 2's own where op 1 may run in Triton (backend "auto" or
+"triton"): kernels_triton/eva_cache.py's step (op 1 over the chunk ending at t - 1 straight from the
+ring where it completed, the token rows, the summary slot, the bias row, lengths += 1), then op 2.
+Other backends keep their op 1: gather_chunk (the chunk's ring rows), op 1 on them, append (the rest).
+CPU tensors outside the Triton backend take the same stages as torch ops (about 40 small kernels).
 
 Limits. Multi-token steps run one token at a time (n single-token steps: n launches of op 1 and
 op 2). Ragged prompts are right-padded: `prefill(..., lengths=)` gives each sequence's prompt length
@@ -109,12 +110,15 @@ class EvaCache:
         self._rows = torch.arange(R, device=device)
         self._chunk = torch.arange(chunk_size, device=device)
         self._max_len = 0  # host-side bound on every length (known without a sync)
-        # a step's bookkeeping: two Triton launches on the GPU whatever the ops' backend (and under the
-        # interpreter for the Triton backend), else torch ops
+        # a step's bookkeeping: Triton launches on the GPU whatever the ops' backend (and under the
+        # interpreter for the Triton backend), else torch ops. Where op 1 may run in Triton ("auto",
+        # "triton") the chunk's summary joins them: one launch (eva_cache.step), else two around op 1
         self._kernels = None
         if C.backend_available("triton", device) and (device.type == "cuda" or backend == "triton"):
             from flashswitch.kernels_triton import eva_cache
             self._kernels = eva_cache
+        self._fused = self._kernels is not None and backend in ("auto", "triton")
+        self._done_programs = torch.zeros(B, dtype=torch.int32, device=device)  # eva_cache.step's counter
 
     # ------------------------------------------------------------ state
     @property
@@ -234,6 +238,12 @@ class EvaCache:
     def _append_token(self, k, v) -> None:
         """The cache state of a one-token step (all but its attention)."""
         Cs, R, S = self.chunk_size, self.ring_size, self.num_summaries
+        if self._fused:  # stages 1 and 2 in one launch
+            self._kernels.step(self.k, self.v, self.bias, self.lengths, self._done_programs, k, v, self.omega,
+                               self.key_weight, self.user_bias, chunk_size=Cs, window_size=self.window_size,
+                               window=self.window, num_summaries=S, ring_size=R, on_bias=self._on_bias(),
+                               scale=self.scale)
+            return
         # 1. the chunk ending at t - 1 (t = lengths) has just completed when t % C == 0: summarise it
         #    from the ring (computed every step, stored only where it completed: fixed shapes)
         if self._kernels is not None:

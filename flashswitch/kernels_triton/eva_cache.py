@@ -1,6 +1,7 @@
-"""The bookkeeping of one EvaCache decode step in two Triton launches (the design: flashswitch/cache.py).
+"""The bookkeeping of one EvaCache decode step in Triton (the design: flashswitch/cache.py): two launches
+around op 1, or one with op 1's math inside.
 
-Both read each sequence's position t = lengths[b] on the device, so their launch arguments never
+All read each sequence's position t = lengths[b] on the device, so their launch arguments never
 change from token to token (CUDA-graph capturable, no host sync):
 
   gather_chunk  the C ring rows of the chunk ending at t - 1 (rows S + p % R), as op 1's input
@@ -14,6 +15,13 @@ change from token to token (CUDA-graph capturable, no host sync):
 
 append's programs read t from gather_chunk's copy, not from lengths, so the one program that writes
 lengths[b] races no reader and the increment needs no launch of its own.
+
+  step          both in one launch with op 1's math between them (its jit helpers,
+                kernels_triton/chunk_summaries.py), for caches whose op 1 runs in Triton anyway: the
+                program of block 0 summarises the completed chunk straight from the ring (only where
+                t % C == 0 and t >= C), then writes the new token; every program writes its bias block
+                and counts itself done on an int32 [B] counter; the last one of a sequence writes
+                lengths[b] = t + 1 and zeroes the counter, after every program of that sequence read t.
 """
 from __future__ import annotations
 
@@ -24,6 +32,8 @@ import triton
 import triton.language as tl
 
 from flashswitch._common import new_output, next_pow2
+from flashswitch.kernels_triton.chunk_summaries import (LOG2E, _key_logits, _online_softmax, _safe_reciprocal,
+                                                        _value_logits)
 
 MASKED = tl.constexpr(-1e30)  # flashswitch.cache.MASKED (a constexpr: jit code may read no other global)
 MAX_TILE = 4096  # elements of a gathered [rows, D] tile per loop step
@@ -55,6 +65,28 @@ def _gather_chunk_kernel(k_ptr, v_ptr, len_ptr, ck_ptr, cv_ptr, t_ptr,
         d_off = dst + j[:, None].to(tl.int64) * cs_n + d[None, :]
         tl.store(ck_ptr + d_off, tl.load(k_ptr + s_off, mask=mask), mask=mask)
         tl.store(cv_ptr + d_off, tl.load(v_ptr + s_off, mask=mask), mask=mask)
+
+
+@triton.jit
+def _bias_block(bias_ptr, ub_ptr, b, h, blk, t, start, t_ring, S, R, on_bias, bs_b, bs_h, ub_b, ub_h, ub_n,
+                CHUNK: tl.constexpr, USER_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bias entries [blk * BLOCK_N, +BLOCK_N) of the query at t: summary slot c on for c < start / C;
+    ring row r holds position t - ((t - r) mod R) = (t - t_ring) + r - (R if r > t_ring), on for
+    start <= it < t. Offsets from t - t_ring stay within int32 (|start - (t - t_ring)| < R + C)."""
+    n_sum = (start // CHUNK).to(tl.int32)
+    t_ring32 = t_ring.to(tl.int32)
+    lo = (start - (t - t_ring)).to(tl.int32)
+    j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    sum_on = j < n_sum
+    if USER_BIAS:
+        on = tl.load(ub_ptr + b * ub_b + h * ub_h + j.to(tl.int64) * ub_n, mask=sum_on, other=0.0).to(tl.float32)
+    else:
+        on = on_bias
+    r = j - S
+    rel = r - tl.where(r > t_ring32, R, 0)
+    ring_on = (rel >= lo) & (rel < t_ring32)
+    val = tl.where(j < S, tl.where(sum_on, on, MASKED), tl.where(ring_on, 0.0, MASKED))
+    tl.store(bias_ptr + b * bs_b + h * bs_h + j, val, mask=j < S + R)
 
 
 @triton.jit
@@ -94,23 +126,85 @@ def _append_kernel(k_ptr, v_ptr, bias_ptr, len_ptr, t_ptr, kn_ptr, vn_ptr, ks_pt
         tl.store(v_ptr + row0 + slot * s_n, vs, mask=sum_ok)
         if h == 0:
             tl.store(len_ptr + b, t + 1)
-    # the bias block: summary slot c on for c < start / C; ring row r holds position
-    # t - ((t - r) mod R) = (t - t_ring) + r - (R if r > t_ring), on for start <= it < t. Offsets
-    # from t - t_ring stay within int32 (|start - (t - t_ring)| < R + C).
-    n_sum = (start // CHUNK).to(tl.int32)
-    t_ring32 = t_ring.to(tl.int32)
-    lo = (start - (t - t_ring)).to(tl.int32)
-    j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    sum_on = j < n_sum
-    if USER_BIAS:
-        on = tl.load(ub_ptr + b * ub_b + h * ub_h + j.to(tl.int64) * ub_n, mask=sum_on, other=0.0).to(tl.float32)
+    _bias_block(bias_ptr, ub_ptr, b, h, blk, t, start, t_ring, S, R, on_bias, bs_b, bs_h, ub_b, ub_h, ub_n,
+                CHUNK, USER_BIAS, BLOCK_N)
+
+
+@triton.jit
+def _step_kernel(k_ptr, v_ptr, bias_ptr, len_ptr, cnt_ptr, kn_ptr, vn_ptr, om_ptr, kw_ptr, ub_ptr,
+                 Hkv, S, R, D, W, on_bias, qk_scale, programs_per_seq,
+                 s_b, s_h, s_n, bs_b, bs_h, kn_b, kn_h, vn_b, vn_h, om_h, om_d, kw_h, kw_d, ub_b, ub_h, ub_n,
+                 CHUNK: tl.constexpr, SLIDING: tl.constexpr, USER_BIAS: tl.constexpr, HAS_OMEGA: tl.constexpr,
+                 HAS_KEY_WEIGHT: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    b = pid // Hkv
+    h = pid - b * Hkv
+    t = tl.load(len_ptr + b)
+    if SLIDING:  # start(t) of SPEC op 2 (t >= 0: truncating division is floor division here)
+        start = tl.where(t >= W, CHUNK * ((t - W + 1) // CHUNK), 0)
     else:
-        on = on_bias
-    r = j - S
-    rel = r - tl.where(r > t_ring32, R, 0)
-    ring_on = (rel >= lo) & (rel < t_ring32)
-    val = tl.where(j < S, tl.where(sum_on, on, MASKED), tl.where(ring_on, 0.0, MASKED))
-    tl.store(bias_ptr + b * bs_b + h * bs_h + j, val, mask=j < S + R)
+        start = W * (t // W)
+    t_ring = t % R
+    if blk == 0:
+        d3 = tl.arange(0, BLOCK_D)[None, None, :]
+        mask_d3 = d3 < D
+        rows0 = b * s_b + h * s_h
+        if (t % CHUNK == 0) & (t >= CHUNK):  # chunk t / C - 1 has just completed: op 1 over its ring rows
+            slot = t // CHUNK - 1
+            first = (slot * CHUNK) % R
+            if HAS_OMEGA:
+                om = tl.load(om_ptr + h * om_h + d3 * om_d, mask=mask_d3, other=0.0).to(tl.float32)
+            else:
+                om = tl.zeros([1, 1, BLOCK_D], dtype=tl.float32)
+            if HAS_KEY_WEIGHT:
+                kw = tl.load(kw_ptr + h * kw_h + d3 * kw_d, mask=mask_d3, other=0.0).to(tl.float32)
+            else:
+                kw = tl.zeros([1, 1, BLOCK_D], dtype=tl.float32)
+            m_v = tl.full([1, 1, 1], float("-inf"), tl.float32)
+            s_v = tl.zeros([1, 1, 1], dtype=tl.float32)
+            acc_v = tl.zeros([1, 1, BLOCK_D], dtype=tl.float32)
+            m_k = tl.full([1, 1, 1], float("-inf"), tl.float32)
+            s_k = tl.zeros([1, 1, 1], dtype=tl.float32)
+            acc_k = tl.zeros([1, 1, BLOCK_D], dtype=tl.float32)
+            for j0 in range(0, CHUNK, BLOCK_J):
+                j3 = j0 + tl.arange(0, BLOCK_J)[None, :, None]
+                row = first + j3
+                row = S + tl.where(row >= R, row - R, row)  # j < C <= R: at most one wrap
+                tmask = j3 < CHUNK
+                mask = tmask & mask_d3
+                off = rows0 + row.to(tl.int64) * s_n + d3
+                kk = tl.load(k_ptr + off, mask=mask, other=0.0).to(tl.float32)
+                vv = tl.load(v_ptr + off, mask=mask, other=0.0).to(tl.float32)
+                m_v, s_v, acc_v = _online_softmax(_value_logits(kk, om, tmask, qk_scale, HAS_OMEGA),
+                                                  m_v, s_v, acc_v, vv)
+                if HAS_KEY_WEIGHT:
+                    m_k, s_k, acc_k = _online_softmax(_key_logits(kk, kw, tmask), m_k, s_k, acc_k, kk)
+                else:
+                    s_k = s_k + tl.sum(tmask.to(tl.float32), axis=1, keep_dims=True)
+                    acc_k = acc_k + tl.sum(kk, axis=1, keep_dims=True)
+            out = rows0 + slot * s_n + d3
+            tl.store(k_ptr + out, (acc_k * _safe_reciprocal(s_k)).to(k_ptr.dtype.element_ty), mask=mask_d3)
+            tl.store(v_ptr + out, (acc_v * _safe_reciprocal(s_v)).to(v_ptr.dtype.element_ty), mask=mask_d3)
+        # the new token's ring row may be the chunk's first row (R = C): written after every read of it
+        tl.debug_barrier()
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        kn = tl.load(kn_ptr + b * kn_b + h * kn_h + d, mask=d_ok)
+        vn = tl.load(vn_ptr + b * vn_b + h * vn_h + d, mask=d_ok)
+        tl.store(k_ptr + rows0 + (S + t_ring) * s_n + d, kn, mask=d_ok)  # its ring row
+        tl.store(v_ptr + rows0 + (S + t_ring) * s_n + d, vn, mask=d_ok)
+        tl.store(k_ptr + rows0 + (S + R) * s_n + d, kn, mask=d_ok)       # the decode row
+        tl.store(v_ptr + rows0 + (S + R) * s_n + d, vn, mask=d_ok)
+    _bias_block(bias_ptr, ub_ptr, b, h, blk, t, start, t_ring, S, R, on_bias, bs_b, bs_h, ub_b, ub_h, ub_n,
+                CHUNK, USER_BIAS, BLOCK_N)
+    # every warp of this program has used t (the barrier), every program of sequence b has counted
+    # itself (acquire-release): the last one moves t on
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel") == programs_per_seq - 1:
+        tl.store(len_ptr + b, t + 1)
+        tl.store(cnt_ptr + b, 0)
 
 
 def _check_cache(k, v, bias, lengths):
@@ -166,4 +260,34 @@ def append(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, lengths: torch.
         BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=4)
 
 
-__all__ = ["gather_chunk", "append"]
+def step(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, lengths: torch.Tensor, counter: torch.Tensor,
+         k_new: torch.Tensor, v_new: torch.Tensor, omega: Optional[torch.Tensor], key_weight: Optional[torch.Tensor],
+         user_bias: Optional[torch.Tensor], *, chunk_size: int, window_size: int, window: str, num_summaries: int,
+         ring_size: int, on_bias: float, scale: float) -> None:
+    """gather_chunk, op 1 (Triton, `scale`, omega / key_weight [Hkv, D] or None) and append in one launch;
+    counter: int32 [B] zeros, left zeros."""
+    _check_cache(k, v, bias, lengths)
+    B, Hkv, _, D = k.shape
+    S, R, Cs = int(num_summaries), int(ring_size), int(chunk_size)
+    if B * Hkv == 0:
+        return
+    ub = bias if user_bias is None else user_bias
+    sub = (0, 0, 0) if user_bias is None else user_bias.stride()
+    BLOCK_D = next_pow2(D)
+    BLOCK_N = min(next_pow2(S + R), BIAS_BLOCK)
+    n_blocks = triton.cdiv(S + R, BLOCK_N)
+    om = bias if omega is None else omega
+    kw = bias if key_weight is None else key_weight
+    _step_kernel[(B * Hkv, n_blocks)](
+        k, v, bias, lengths, counter, k_new, v_new, om, kw, ub,
+        Hkv, S, R, D, int(window_size), float(on_bias), float(scale) * LOG2E, Hkv * n_blocks,
+        k.stride(0), k.stride(1), k.stride(2), bias.stride(0), bias.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        *((0, 0) if omega is None else omega.stride()), *((0, 0) if key_weight is None else key_weight.stride()),
+        *sub,
+        CHUNK=Cs, SLIDING=window == "sliding", USER_BIAS=user_bias is not None, HAS_OMEGA=omega is not None,
+        HAS_KEY_WEIGHT=key_weight is not None, BLOCK_J=min(next_pow2(Cs), max(1, MAX_TILE // BLOCK_D)),
+        BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=4)
+
+
+__all__ = ["gather_chunk", "append", "step"]
