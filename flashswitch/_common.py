@@ -8,6 +8,7 @@ import os
 from typing import Optional, Sequence
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 BACKEND_ENV = "FLASHSWITCH_BACKEND"  # forces the backend that backend="auto" picks
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -159,12 +160,45 @@ def eager_autograd_path(*tensors) -> bool:
 
 
 _PEEK_FUNCTORCH = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
+_FUNCTORCH_STACK = getattr(torch._C._functorch, "get_interpreter_stack", lambda: None)
 
 
 def _under_functorch() -> bool:
     """Whether a functorch transform (vmap, grad, jvp) is active: only the custom op's registrations
     serve its wrapped tensors."""
     return _PEEK_FUNCTORCH() is not None
+
+
+def _differentiating_transform(tensors) -> Optional[str]:
+    """The transform that differentiates this call other than reverse-mode autograd, or None:
+    torch.func.grad / vjp / jacrev / jvp / jacfwd (a functorch level other than vmap) or forward-mode
+    AD (a dual tensor among the inputs)."""
+    if _PEEK_FUNCTORCH() is not None:
+        for interp in _FUNCTORCH_STACK() or ():
+            kind = interp.key().name
+            if kind in ("Grad", "Jvp"):
+                return f"torch.func ({kind.lower()} transform)"
+    if _forward_ad._current_level >= 0 and any(
+            t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        return "forward-mode AD (dual tensors)"
+    return None
+
+
+def kernels_serve(backend: str, *tensors) -> bool:
+    """Whether the kernel backends' autograd serves this call: reverse-mode autograd (torch.autograd,
+    .backward()) and torch.vmap, not torch.func's grad / jvp transforms nor forward-mode AD, which only
+    the PyTorch reference differentiates. False sends backend "auto" to the reference; a kernel backend
+    asked for by name raises ValueError naming `backend`."""
+    if (_PEEK_FUNCTORCH() is None and _forward_ad._current_level < 0) or torch.compiler.is_compiling():
+        return True
+    what = _differentiating_transform(tensors)
+    if what is None:
+        return True
+    if backend != "auto":
+        raise ValueError(f"backend {backend!r} cannot differentiate under {what}: its kernels have "
+                         f"reverse-mode gradients (torch.autograd) and vmap only; use backend='reference' "
+                         f"or 'auto' (which then runs the reference)")
+    return False
 
 
 # ---------------------------------------------------------------- outputs

@@ -262,7 +262,7 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
     if plan is None:
         plan = _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend)
         _PLANS.put(key, plan)
-    if plan.backend == "reference":
+    if plan.backend == "reference" or not C.kernels_serve(backend, k, v, omega, key_weight):
         from flashswitch.reference.chunk_summaries import torch_chunk_summaries
         out = torch_chunk_summaries(k, v, chunk_size, omega=omega, key_weight=key_weight, valid=valid,
                                     scale=plan.scale, return_lse=True)

@@ -302,7 +302,8 @@ def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torc
     if plan is None:
         plan = _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset, backend)
         _PLANS.put(key, plan)
-    if plan.backend == "reference":
+    if plan.backend == "reference" or not C.kernels_serve(
+            backend, q, k, v, k_sum, v_sum, summary_bias if isinstance(summary_bias, torch.Tensor) else None):
         from flashswitch.reference.eva_attention import torch_eva_attention
         out = torch_eva_attention(q, k, v, k_sum, v_sum, chunk_size=chunk_size, window_size=window_size,
                                   window=window, scale=plan.scale, summary_bias=summary_bias, q_offset=plan.q_offset,

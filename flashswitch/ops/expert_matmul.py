@@ -460,7 +460,7 @@ def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates:
         _PLANS.put(key, plan)
     if not torch.compiler.is_compiling():
         route.validate()  # a hand-built route, once (routes from route() are known good)
-    if plan.backend == "reference":
+    if plan.backend == "reference" or not C.kernels_serve(backend, x, weight, gates):
         if route.expert_idx is None:
             raise ValueError("the reference backend needs a route built by flashswitch.route (with expert_idx)")
         from flashswitch.reference.expert_matmul import torch_expert_matmul
