@@ -135,9 +135,10 @@ def _resolve_backend(op: str, backend: str, device: str, bucket: Optional[tuple]
 
 def eager_fast_path(*tensors) -> bool:
     """Whether an op call may skip its torch.library custom op and call the backend directly: eager
-    (not traced) and needing no autograd. The custom op's dispatcher layers cost tens of microseconds
-    per call, as much as a small kernel; traced calls and calls on tensors that require grad keep them."""
-    if torch.compiler.is_compiling() or _under_functorch():
+    (not traced, no functorch transform, no forward-mode AD level), plain tensors, needing no autograd.
+    The custom op's dispatcher layers cost tens of microseconds per call, as much as a small kernel;
+    traced calls and calls on tensors that require grad keep them."""
+    if torch.compiler.is_compiling() or _under_functorch() or _forward_ad._current_level >= 0:
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
@@ -154,7 +155,7 @@ def eager_autograd_path(*tensors) -> bool:
     instead of its custom op (the same kernels both ways): not traced, plain tensors (no subclass such
     as DTensor or a fake tensor) and no functorch transform, which only the custom op's registrations
     serve. Saves the custom op's dispatcher layers on the forward and on the backward."""
-    if torch.compiler.is_compiling() or _under_functorch():
+    if torch.compiler.is_compiling() or _under_functorch() or _forward_ad._current_level >= 0:
         return False
     return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
 

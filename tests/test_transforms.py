@@ -94,3 +94,23 @@ def test_forward_ad_runs_the_reference_under_auto(op, auto_is_a_kernel):
         got = forward_ad.unpack_dual(_fn(op, p, name, "auto")(forward_ad.make_dual(t, tangent))).tangent
         want = forward_ad.unpack_dual(_fn(op, p, name, "reference")(forward_ad.make_dual(t, tangent))).tangent
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_layer_kernels_step_aside_under_transforms():
+    """The layers' fused Triton kernels (kernels_triton/layer_ops.py) run only where C.eager_fast_path /
+    eager_autograd_path allow: never under a functorch transform or a forward-mode AD level, whose
+    tangents and batching only the torch versions carry."""
+    from flashswitch import _common as C
+    t = torch.randn(4, device=DEVICE)
+    assert C.eager_fast_path(t) and C.eager_autograd_path(t)
+    with forward_ad.dual_level():
+        assert not C.eager_fast_path(t) and not C.eager_autograd_path(t)
+    seen = []
+
+    def f(x):
+        seen.append((C.eager_fast_path(x), C.eager_autograd_path(x)))
+        return x.sum()
+    torch.func.grad(f)(t)
+    torch.vmap(f)(t[None])
+    torch.func.jvp(f, (t,), (t,))
+    assert seen == [(False, False)] * 3
