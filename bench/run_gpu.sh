@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session in one command: build the extension, run the suite (one pytest process per file, so
-# a crash in one file cannot hide the others), cross-check, measure the ceilings, tune, benchmark and
+# a crash in one file cannot hide the others), cross-check, tune, measure the ceilings, benchmark and
 # plot. Results land in bench/results/<device>/ and the config folder; logs go to $OUT/logs and
 # everything is packed into $OUT/results.tgz (default OUT: ./gpu_out).
 #   STAGES=build,test,check,ceilings,autotune,bench OPS=chunk_summaries TESTS='tests/test_x.py ...' \
@@ -89,6 +89,9 @@ if stage suite_wait; then
   fi
   tail -n "${TAIL:-30}" "$LOGS/test_suite.log"
   pack
+  if [ ! -f "$SUITE_DIR/rc" ]; then  # later stages would tune and time beside it: call suite_wait again
+    echo "== skipping the later stages while the suite runs"; exit $status
+  fi
 fi
 if stage test; then
   for f in ${TESTS:-tests/test_*.py}; do
@@ -98,6 +101,8 @@ if stage test; then
 fi
 stage check && run check $PY -m flashswitch check
 if stage ceilings || stage host || stage e2e || stage text || stage autotune || stage bench; then gpu_quiet; fi
+# tuning first: the timing stages after it run with the configs it writes
+stage autotune && STAGE_LIMIT=$(limit "${TUNE_LIMIT:-}") run autotune $PY -m flashswitch autotune --ops ${OPS//,/ } --budget "${TUNE_BUDGET:-240}" $([ -n "${TUNE_FRESH:-}" ] || echo --resume) ${TUNE_ARGS:-}
 stage ceilings && run ceilings $PY bench/ceilings.py
 stage host && run host_time $PY bench/host_time.py --ops ${OPS//,/ } ${HOST_ARGS:-}
 if stage e2e; then
@@ -108,7 +113,6 @@ if stage text; then
   ls .wheels/*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-deps .wheels/*.whl
   run e2e_text $PY bench/e2e_text.py ${TEXT_ARGS:-}
 fi
-stage autotune && STAGE_LIMIT=$(limit "${TUNE_LIMIT:-}") run autotune $PY -m flashswitch autotune --ops ${OPS//,/ } --budget "${TUNE_BUDGET:-240}" $([ -n "${TUNE_FRESH:-}" ] || echo --resume) ${TUNE_ARGS:-}
 if stage bench; then
   for op in ${OPS//,/ }; do
     STAGE_LIMIT=$(limit "${BENCH_LIMIT:-}") run "bench_$op" $PY -m flashswitch bench --ops "$op" -- ${BENCH_K:+-k "$BENCH_K"}
