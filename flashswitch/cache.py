@@ -14,10 +14,11 @@ and it can be captured in a CUDA graph and replayed for every token. A chunk is 
 when it completes (its C tokens are still in the ring), written to its slot, and becomes visible
 when the window start passes it; the masked bias reproduces op 2's rule for every query exactly.
 
-A one-token step is two launches plus op 2's own where op 1 may run in Triton (backend "auto" or
-"triton"): kernels_triton/eva_cache.py's step (op 1 over the chunk ending at t - 1 straight from the
-ring where it completed, the token rows, the summary slot, the bias row, lengths += 1), then op 2.
-Other backends keep their op 1: gather_chunk (the chunk's ring rows), op 1 on them, append (the rest).
+With FUSED_STEP on and op 1 able to run in Triton (backend "auto" or "triton"), a one-token step is
+one launch plus op 2's own: kernels_triton/eva_cache.py's step (op 1 over the chunk ending at t - 1
+straight from the ring where it completed, the token rows, the summary slot, the bias row,
+lengths += 1), then op 2. Otherwise op 1 runs on its own: gather_chunk (the chunk's ring rows), op 1
+on them, append (the rest), op 2.
 CPU tensors outside the Triton backend take the same stages as torch ops (about 40 small kernels).
 
 Limits. Multi-token steps run one token at a time (n single-token steps: n launches of op 1 and
@@ -45,6 +46,11 @@ def window_start(t: torch.Tensor, chunk_size: int, window_size: int, window: str
         return window_size * torch.div(t, window_size, rounding_mode="floor")
     s = chunk_size * torch.div(t - window_size + 1, chunk_size, rounding_mode="floor")
     return torch.where(t >= window_size, s, torch.zeros_like(s))
+
+
+# The one-launch step (kernels_triton/eva_cache.step) for caches whose op 1 may run in Triton. Off by
+# default until the GPU suite has run it (the tests run both paths): gather_chunk, op 1, append then.
+FUSED_STEP = False
 
 
 class EvaCache:
@@ -111,13 +117,14 @@ class EvaCache:
         self._chunk = torch.arange(chunk_size, device=device)
         self._max_len = 0  # host-side bound on every length (known without a sync)
         # a step's bookkeeping: Triton launches on the GPU whatever the ops' backend (and under the
-        # interpreter for the Triton backend), else torch ops. Where op 1 may run in Triton ("auto",
-        # "triton") the chunk's summary joins them: one launch (eva_cache.step), else two around op 1
+        # interpreter for the Triton backend), else torch ops. With FUSED_STEP, where op 1 may run in
+        # Triton ("auto", "triton"), the chunk's summary joins them: one launch (eva_cache.step), else two
+        # around op 1
         self._kernels = None
         if C.backend_available("triton", device) and (device.type == "cuda" or backend == "triton"):
             from flashswitch.kernels_triton import eva_cache
             self._kernels = eva_cache
-        self._fused = self._kernels is not None and backend in ("auto", "triton")
+        self._fused = FUSED_STEP and self._kernels is not None and backend in ("auto", "triton")
         self._done_programs = torch.zeros(B, dtype=torch.int32, device=device)  # eva_cache.step's counter
 
     # ------------------------------------------------------------ state

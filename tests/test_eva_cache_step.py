@@ -18,6 +18,15 @@ from flashswitch.cache import MASKED, window_start
 from flashswitch.ops.chunk_summaries import chunk_summaries
 
 BACKENDS = ["reference"] + (["triton"] if "triton" in kernel_backends() else [])
+# (backend, cache.FUSED_STEP): the one-launch step runs where op 1 may run in Triton
+STEP_PATHS = [("reference", False)] + ([("triton", False), ("triton", True)] if "triton" in BACKENDS else [])
+
+
+@pytest.fixture
+def fused_step(monkeypatch, request):
+    """Sets cache.FUSED_STEP for the caches the test builds (indirect parametrization)."""
+    monkeypatch.setattr(cache_module, "FUSED_STEP", request.param)
+    return request.param
 with_fixture = settings(suppress_health_check=list(settings().suppress_health_check)
                         + [HealthCheck.function_scoped_fixture])
 
@@ -116,12 +125,13 @@ def assert_same_state(lean, old, where):
         assert bool(same.all()), f"{name} differs {where}: {(~same).nonzero()[:8].tolist()}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,fused_step", STEP_PATHS, indirect=["fused_step"])
 @with_fixture
 @given(case=cases())
-def test_step_state_is_the_previous_steps_bitwise(backend, case):
+def test_step_state_is_the_previous_steps_bitwise(backend, fused_step, case):
     lean, old, g = twin_caches(backend, case)
     assert (lean._kernels is not None) == (DEVICE == "cuda" or backend == "triton")
+    assert lean._fused == fused_step
     B, Hkv, D = case["B"], case["Hkv"], case["D"]
     x = torch.randn(B, Hkv, 2 * case["steps"] + 1, D, generator=g).to(case["dtype"]).to(DEVICE)
     for i in range(case["steps"]):
@@ -134,8 +144,8 @@ def test_step_state_is_the_previous_steps_bitwise(backend, case):
             lean.reorder(beam), old.reorder(beam)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_step_over_several_bias_blocks(backend):
+@pytest.mark.parametrize("backend,fused_step", STEP_PATHS, indirect=["fused_step"])
+def test_step_over_several_bias_blocks(backend, fused_step):
     """Sequences whose bias row spans several programs of the one-launch step (S + R > one block): the
     last program of each sequence moves its length on after the others read it, and leaves the
     counter at zero for the next step."""
@@ -151,8 +161,8 @@ def test_step_over_several_bias_blocks(backend):
         assert int(lean._done_programs.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_public_step_advances_like_the_previous_step(backend):
+@pytest.mark.parametrize("backend,fused_step", STEP_PATHS, indirect=["fused_step"])
+def test_public_step_advances_like_the_previous_step(backend, fused_step):
     """step() itself (one- and multi-token) leaves the previous step's state, across a chunk boundary."""
     case = dict(B=2, Hkv=2, D=8, C=2, W=4, window="sliding", lengths=[3, 6], steps=3, spare=0, bias="log_count",
                 summaries="weighted", scale=None, reorder=False, dtype=torch.float32, seed=4)
@@ -178,10 +188,11 @@ def _cuda_launches(fn) -> list[str]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend, launches", [("auto", 1), ("cuda", 2)])
+@pytest.mark.parametrize("backend,fused_step,launches", [("auto", True, 1), ("auto", False, 2), ("cuda", True, 2)],
+                         indirect=["fused_step"])
 @pytest.mark.parametrize("summary_bias", [None, "log_count", "tensor"])
 @pytest.mark.parametrize("window", ["block", "sliding"])
-def test_step_bookkeeping_launches(monkeypatch, window, summary_bias, backend, launches):
+def test_step_bookkeeping_launches(monkeypatch, window, summary_bias, backend, fused_step, launches):
     """One decode step launches 1 kernel besides op 2's (stubbed out here) where op 1 may run in Triton
     (op 1 inside it), else 2 around op 1's own (stubbed too): the chunk gather and the append. The torch
     step it replaced launched about 40."""
@@ -203,7 +214,8 @@ def test_step_bookkeeping_launches(monkeypatch, window, summary_bias, backend, l
 
 
 @pytest.mark.gpu
-def test_captured_step_replays_bookkeeping_of_eager_steps():
+@pytest.mark.parametrize("fused_step", [False, True], indirect=True)
+def test_captured_step_replays_bookkeeping_of_eager_steps(fused_step):
     """A CUDA graph of one step replayed over chunk boundaries leaves the eager steps' state bitwise."""
     B, Hkv, H, D, Cs, W, P, T = 3, 2, 4, 64, 4, 8, 13, 11
     g = torch.Generator().manual_seed(1)
