@@ -232,6 +232,19 @@ def gather_chunk(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *, chu
     return ck, cv, t
 
 
+def _token_launch(k, v, bias, lengths, user_bias, num_summaries, ring_size):
+    """What append and step share: (B, Hkv, D, S, R, the user bias or a stand-in, its strides, BLOCK_D,
+    BLOCK_N), or None for an empty cache."""
+    _check_cache(k, v, bias, lengths)
+    B, Hkv, _, D = k.shape
+    if B * Hkv == 0:
+        return None
+    S, R = int(num_summaries), int(ring_size)
+    ub = bias if user_bias is None else user_bias
+    sub = (0, 0, 0) if user_bias is None else user_bias.stride()
+    return B, Hkv, D, S, R, ub, sub, next_pow2(D), min(next_pow2(S + R), BIAS_BLOCK)
+
+
 def append(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, lengths: torch.Tensor, t: torch.Tensor,
            k_new: torch.Tensor, v_new: torch.Tensor, k_sum: torch.Tensor, v_sum: torch.Tensor,
            user_bias: Optional[torch.Tensor], *, chunk_size: int, window_size: int, window: str,
@@ -241,15 +254,10 @@ def append(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, lengths: torch.
     of lengths). k_new, v_new: [B, Hkv, 1, D]; k_sum, v_sum: [B, Hkv, 1, D], op 1 over gather_chunk's
     rows; user_bias: None (every visible summary gets `on_bias`) or [B, Hkv, S] (any float dtype and
     strides)."""
-    _check_cache(k, v, bias, lengths)
-    B, Hkv, _, D = k.shape
-    S, R = int(num_summaries), int(ring_size)
-    if B * Hkv == 0:
+    shared = _token_launch(k, v, bias, lengths, user_bias, num_summaries, ring_size)
+    if shared is None:
         return
-    ub = bias if user_bias is None else user_bias
-    sub = (0, 0, 0) if user_bias is None else user_bias.stride()
-    BLOCK_D = next_pow2(D)
-    BLOCK_N = min(next_pow2(S + R), BIAS_BLOCK)
+    B, Hkv, D, S, R, ub, sub, BLOCK_D, BLOCK_N = shared
     _append_kernel[(B * Hkv, triton.cdiv(S + R, BLOCK_N))](
         k, v, bias, lengths, t, k_new, v_new, k_sum, v_sum, ub,
         Hkv, S, R, D, int(window_size), float(on_bias),
@@ -266,15 +274,11 @@ def step(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, lengths: torch.Te
          ring_size: int, on_bias: float, scale: float) -> None:
     """gather_chunk, op 1 (Triton, `scale`, omega / key_weight [Hkv, D] or None) and append in one launch;
     counter: int32 [B] zeros, left zeros."""
-    _check_cache(k, v, bias, lengths)
-    B, Hkv, _, D = k.shape
-    S, R, Cs = int(num_summaries), int(ring_size), int(chunk_size)
-    if B * Hkv == 0:
+    shared = _token_launch(k, v, bias, lengths, user_bias, num_summaries, ring_size)
+    if shared is None:
         return
-    ub = bias if user_bias is None else user_bias
-    sub = (0, 0, 0) if user_bias is None else user_bias.stride()
-    BLOCK_D = next_pow2(D)
-    BLOCK_N = min(next_pow2(S + R), BIAS_BLOCK)
+    B, Hkv, D, S, R, ub, sub, BLOCK_D, BLOCK_N = shared
+    Cs = int(chunk_size)
     n_blocks = triton.cdiv(S + R, BLOCK_N)
     om = bias if omega is None else omega
     kw = bias if key_weight is None else key_weight
