@@ -109,16 +109,15 @@ def test_backward_lookup_skips_tiles_that_do_not_fit(cfg_dir):
         "eva_attention.bwd", "triton", f), "BLOCK_M_DQ": 128, "BLOCK_N_DQ": 128, "num_stages_dq": 3})
 
 
-def test_fp32_master_weights_take_the_16bit_weight_bucket(cfg_dir):
-    """Layers under autocast pass fp32 master weights: the bucket tuned with bf16 weights of the same
-    shape serves them (an fp32-weight bucket wins once there is one), unless its tiles no longer fit
-    shared memory with fp32 weight tiles; another shape with bf16 weights does not stand in."""
-    def feats(wdtype, d_out=112):
-        return space.features("expert_matmul", dtype="bf16", wdtype=wdtype, d_in=1024, d_out=d_out, E=16, S=8,
+def test_fp32_master_weights_do_not_take_a_16bit_weight_bucket(cfg_dir):
+    """Layers under autocast pass fp32 master weights: a bucket tuned with bf16 weights of the same shape
+    does not serve them (its configs cost the sigma-MoE layers more host work per eager step than the
+    defaults saved on the GPU); a bucket tuned with fp32 weights does."""
+    def feats(wdtype):
+        return space.features("expert_matmul", dtype="bf16", wdtype=wdtype, d_in=1024, d_out=112, E=16, S=8,
                               G_in=1, G_out=4, tokens=16384, deterministic=False)
     tuned = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_N": 1, "INTERLEAVE": True, "num_warps": 8,
              "num_stages": 3}
-    wide = {**tuned, "BLOCK_M": 64, "BLOCK_N": 256}  # 3 stages of 64 x 256 fp32 weight tiles: 288 KB
 
     def save(entries):
         ops = {"expert_matmul": {store.bucket_key(f): {"features": f, "best": "triton",
@@ -128,24 +127,12 @@ def test_fp32_master_weights_take_the_16bit_weight_bucket(cfg_dir):
 
     f32 = feats("fp32")
     save([(feats("bf16"), tuned)])
-    assert store.lookup("expert_matmul", "triton", f32) == tuned
-    assert store.best_backend("expert_matmul", f32) == "triton"
+    assert store.lookup("expert_matmul", "triton", feats("bf16")) == tuned
+    assert store.lookup("expert_matmul", "triton", f32) == space.default_config("expert_matmul", "triton", f32)
+    assert store.best_backend("expert_matmul", f32) is None
     own = {**tuned, "BLOCK_M": 64}
     save([(feats("bf16"), tuned), (f32, own)])
     assert store.lookup("expert_matmul", "triton", f32) == own
-    save([(feats("bf16"), wide)])
-    assert space.config_fits("expert_matmul", "triton", feats("bf16"), wide)
-    assert not space.config_fits("expert_matmul", "triton", f32, wide)
-    assert store.lookup("expert_matmul", "triton", f32) == space.default_config("expert_matmul", "triton", f32)
-    # the weight dtype costs more than a factor of two in one size: a same-dtype bucket that near wins
-    near = {**tuned, "BLOCK_K": 32}
-    save([(feats("bf16"), tuned), (feats("fp32", d_out=224), near)])
-    assert store.lookup("expert_matmul", "triton", f32) == near
-    # x's dtype stays a hard match
-    fx = space.features("expert_matmul", dtype="fp16", wdtype="fp32", d_in=1024, d_out=112, E=16, S=8,
-                        G_in=1, G_out=4, tokens=16384, deterministic=False)
-    save([(feats("bf16"), tuned)])
-    assert store.lookup("expert_matmul", "triton", fx) == space.default_config("expert_matmul", "triton", fx)
 
 
 @pytest.mark.parametrize("op", ["expert_matmul", "expert_matmul.bwd"])

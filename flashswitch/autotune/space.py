@@ -1,7 +1,7 @@
 """Each kernel's configuration space, shape buckets, heuristic defaults and tuning shapes, declared once.
 
 A *bucket* is a small dict of features of a call: categorical strings (dtype, mode) must match
-exactly (but for SOFT_FEATURES); integer features are compared on a log2 scale when the store looks
+exactly; integer features are compared on a log2 scale when the store looks
 for the nearest bucket.
 Sizes that only change the grid (token counts) are rounded to a power of two so that a new length
 needs no retuning.
@@ -33,13 +33,6 @@ def features(op: str, **kw) -> dict:
         else:
             out[name] = int(value)
     return out
-
-
-# Categorical features a nearest bucket may differ in, at this log2 distance: a bucket tuned with
-# 16-bit weights serves fp32 master weights of the same shape (what layers under autocast pass; the
-# kernels read the weight tiles and cast them, and config_fits checks that the wider tiles still fit).
-# An exact match, or a near one of the same weight dtype, wins.
-SOFT_FEATURES = {"wdtype": 2.0}
 
 
 # features that only change the grid: bucketed to powers of two

@@ -192,8 +192,7 @@ def update(path: Path, tables: dict, header: Optional[dict] = None) -> dict:
 
 
 def _distance(a: dict, b: dict) -> float:
-    """inf unless categorical features match (a soft one adds its space.SOFT_FEATURES distance);
-    else the L1 distance of log2 of numeric ones."""
+    """inf unless categorical features match; else the L1 distance of log2 of numeric ones."""
     if a.keys() != b.keys():
         return math.inf
     d = 0.0
@@ -201,9 +200,7 @@ def _distance(a: dict, b: dict) -> float:
         y = b[k]
         if isinstance(x, (str, bool)) or isinstance(y, (str, bool)):
             if x != y:
-                if k not in space.SOFT_FEATURES or not (isinstance(x, str) and isinstance(y, str)):
-                    return math.inf
-                d += space.SOFT_FEATURES[k]
+                return math.inf
         else:
             d += abs(math.log2(max(x, 1)) - math.log2(max(y, 1)))
     return d
