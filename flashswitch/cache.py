@@ -48,9 +48,9 @@ def window_start(t: torch.Tensor, chunk_size: int, window_size: int, window: str
     return torch.where(t >= window_size, s, torch.zeros_like(s))
 
 
-# The one-launch step (kernels_triton/eva_cache.step) for caches whose op 1 may run in Triton. Off by
-# default until the GPU suite has run it (the tests run both paths): gather_chunk, op 1, append then.
-FUSED_STEP = False
+# The one-launch step (kernels_triton/eva_cache.step) for caches whose op 1 may run in Triton; off, such
+# a step runs gather_chunk, op 1 and append (the tests run both paths).
+FUSED_STEP = True
 
 
 class EvaCache:
