@@ -186,9 +186,10 @@ def cmd_info(args) -> int:
 
 
 # ---------------------------------------------------------------- check
-def _compare(spec, outs, oracle, baseline, *, use_baseline: bool, problem=None):
-    """(max relative error, failure message or None) of `outs` against the oracle."""
-    from flashswitch.testing import assert_close, rel_error
+def _compare(spec, outs, oracle, baseline, dtype, *, use_baseline: bool, problem=None):
+    """(max relative error, failure message or None) of `outs` (of a problem with `dtype` inputs)
+    against the oracle."""
+    from flashswitch.testing import assert_close, rel_error, rule_dtype
     if len(outs) != len(oracle):
         return None, f"{len(outs)} outputs, expected {len(oracle)}"
     worst, msg = 0.0, None
@@ -196,7 +197,7 @@ def _compare(spec, outs, oracle, baseline, *, use_baseline: bool, problem=None):
         err = rel_error(out, ref)
         worst = max(worst, err) if err == err else float("inf")
         try:
-            assert_close(name, out, ref, out.dtype, baseline=base if use_baseline else None)
+            assert_close(name, out, ref, rule_dtype(name, dtype), baseline=base if use_baseline else None)
         except AssertionError as e:
             msg = msg or str(e)
     return worst, msg
@@ -242,7 +243,7 @@ def cmd_check(args) -> int:
                                 continue  # bf16 arithmetic is missing in the Triton interpreter
                             try:
                                 outs = baseline if b == "reference" else spec.kernel_outputs(b, None, problem)
-                                err, msg = _compare(spec, outs, oracle, baseline, use_baseline=b != "reference",
+                                err, msg = _compare(spec, outs, oracle, baseline, registry.DTYPES[dt], use_baseline=b != "reference",
                                                     problem=problem)
                             except Exception as e:  # a crash is a failure of that row, not of the run
                                 err, msg = None, f"{type(e).__name__}: {e}"
@@ -286,7 +287,7 @@ def cmd_demo(args) -> int:
     import torch
     from flashswitch import _common as C
     from flashswitch import registry
-    from flashswitch.testing import assert_close, rel_error
+    from flashswitch.testing import assert_close, rel_error, rule_dtype
 
     con = _console()
     device = _device()
@@ -316,7 +317,8 @@ def cmd_demo(args) -> int:
                 outs = registry.as_tuple(fn())
                 err = max(rel_error(o, r) for o, r in zip(outs, oracle)) if outs else 0.0
                 for name, o, r, base in zip(spec.output_names(len(outs), problem), outs, oracle, baseline):
-                    assert_close(name, o, r, o.dtype, baseline=None if b == "reference" else base)
+                    assert_close(name, o, r, rule_dtype(name, registry.DTYPES[dt]),
+                                 baseline=None if b == "reference" else base)
                 ok = "yes"
                 ms = _time_ms(fn, device, 5 if device.type == "cuda" or b == "reference" else 2)
                 shapes = "  ".join(f"{n} {list(o.shape)}" for n, o in zip(spec.output_names(len(outs), problem), outs))

@@ -268,6 +268,22 @@ def test_sweep_never_returns_a_wrong_config():
     assert res["config"] is None and res["ms"] is None
 
 
+def test_verify_judges_outputs_at_the_inputs_precision():
+    """A bf16 problem with fp32 master weights returns an fp32 weight gradient computed from bf16 x and
+    dy: the tuner judges it by bf16's bound, as the tests do (by fp32's, no config of such a bucket
+    passed and the bucket was never tuned); lse keeps fp32's bound."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, 32, generator=g, dtype=torch.float64)
+    noisy = (ref * (1 + 4e-3 * torch.randn(ref.shape, generator=g, dtype=torch.float64))).float()
+    spec = types.SimpleNamespace(kernel_outputs=lambda backend, cfg, problem: (noisy,),
+                                 output_names=lambda n, problem=None: ["dweight"][:n])
+    T._verify_fn(spec, "triton", {}, torch.bfloat16, (ref,), (ref.float(),))({})
+    with pytest.raises(AssertionError, match="lse"):
+        spec = types.SimpleNamespace(kernel_outputs=lambda backend, cfg, problem: (noisy,),
+                                     output_names=lambda n, problem=None: ["lse"][:n])
+        T._verify_fn(spec, "triton", {}, torch.bfloat16, (ref,), (ref.float(),))({})
+
+
 def test_sweep_stops_at_deadline():
     configs = [{"id": i} for i in range(4)]
     res = T.sweep_configs(configs, lambda c: (lambda: None), _fake_time({i: 1.0 for i in range(4)}), deadline=0.0)

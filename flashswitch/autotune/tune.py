@@ -227,7 +227,7 @@ def _kernel_backends(device: torch.device, backends: Optional[Sequence[str]]) ->
 
 def _verify_fn(spec: registry.OpSpec, backend: str, problem: dict, dtype: torch.dtype, expected: tuple,
                baseline: tuple) -> Callable[[dict], None]:
-    from flashswitch.testing import assert_close
+    from flashswitch.testing import assert_close, rule_dtype
 
     def verify(cfg: dict) -> None:
         with poisoned():
@@ -236,7 +236,7 @@ def _verify_fn(spec: registry.OpSpec, backend: str, problem: dict, dtype: torch.
             raise AssertionError(f"{len(outs)} outputs, expected {len(expected)}")
         names = spec.output_names(len(outs), problem)
         for name, out, ref, base in zip(names, outs, expected, baseline):
-            assert_close(name, out, ref, out.dtype if out.is_floating_point() else dtype, baseline=base)
+            assert_close(name, out, ref, rule_dtype(name, dtype), baseline=base)
     return verify
 
 
