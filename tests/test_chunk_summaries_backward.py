@@ -61,18 +61,37 @@ def _rms(t):
     return t.double().pow(2).mean().sqrt().item() if t.numel() else 0.0
 
 
-def _logit_path_floors(p, ref, scale):
-    """The size d omega and dk have when dl_j = p_j (dv_sum . v_j - delta_v + dlse) does not cancel: a
-    chunk whose value softmax sits on one token has dl = 0 up to rounding of dv_sum . v_j - delta_v, so
-    any fp32 order (the kernel's or the reference's) leaves an error of that rounding's size. |dl_j| is
-    then about rms(v) |dv_j| (dv_j = p_j dv_sum, from the fp64 reference), and d omega and the logit
-    term of dk are s sqrt(D) rms(k) times that. A quarter of it: an estimate, kept below the gradients'
-    norms where nothing cancels."""
-    D = p["k"].shape[-1]
+def _logit_path_floors(p, ref, g, scale):
+    """The size the logit-path gradients have where their softmax centring does not cancel. A chunk
+    whose value softmax sits on one token has dl_j = p_j (dv_sum . v_j - delta_v + dlse) = 0 up to
+    rounding of dv_sum . v_j - delta_v, which any fp32 order (the kernel's or the reference's) leaves.
+    |dl_j| is then about rms(v) |dv_j| (dv_j = p_j dv_sum, from the fp64 reference), and d omega and the
+    logit term of dk are s sqrt(D) rms(k) times that. The key softmax a_j (key_weight) cancels the same
+    way in g_j = a_j (dk_sum . k_j - delta_k): its uncancelled terms a_j |dk_sum . k_j| k_j (d key_weight)
+    and a_j |dk_sum . k_j| key_weight (dk), computed in fp64. A quarter of the value path's, an eighth of
+    the key path's (its terms add up less): estimates, kept about below the gradients' norms where
+    nothing cancels."""
+    k = p["k"].double().cpu()
+    B, H, N, D = k.shape
     s = scale if scale is not None else D ** -0.5
     size = 0.25 * s * D ** 0.5 * _rms(p["v"]) * ref["v"].double().norm().item()
     omega = p.get("omega")
-    return {"omega": size * _rms(p["k"]), "k": size * max(_rms(p["k"]), _rms(omega) if omega is not None else 0.0)}
+    floors = {"omega": size * _rms(p["k"]), "k": size * max(_rms(p["k"]), _rms(omega) if omega is not None else 0.0)}
+    kw = p.get("key_weight")
+    if kw is not None:
+        Nc = -(-N // p["chunk_size"])
+        C = min(p["chunk_size"], max(N, 1))  # as the reference: a chunk longer than N holds N tokens
+        pad = Nc * C - N
+        kc = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(B, H, Nc, C, D)
+        valid = torch.ones(B, N, dtype=torch.bool) if p.get("valid") is None else p["valid"].cpu()
+        mask = torch.nn.functional.pad(valid, (0, pad), value=False).view(B, 1, Nc, C)
+        logits = torch.einsum("bhncd,hd->bhnc", kc, kw.double().cpu()).masked_fill(~mask, float("-inf"))
+        a = torch.nan_to_num(torch.softmax(logits, -1))  # an empty chunk: NaN -> 0
+        t = a * torch.einsum("bhnd,bhncd->bhnc", g[0].double().cpu(), kc).abs()  # a_j |dk_sum . k_j|
+        floors["key_weight"] = 0.125 * (t.pow(2) * kc.pow(2).sum(-1)).sum().sqrt().item()
+        by_k = 0.125 * t.pow(2).sum().sqrt().item() * kw.double().norm().item() / H ** 0.5
+        floors["k"] = max(floors["k"], by_k)
+    return floors
 
 
 def _check(got, p, g, scale=None):
@@ -80,7 +99,7 @@ def _check(got, p, g, scale=None):
     are the baseline."""
     ref = _ref_grads(p, g, scale)
     base = _ref_grads(p, g, scale, dtype=None)
-    floors = _logit_path_floors(p, ref, scale)
+    floors = _logit_path_floors(p, ref, g, scale)
     assert got.keys() == ref.keys()
     for name, r in ref.items():
         o = got[name]
