@@ -27,12 +27,12 @@ if str(ROOT) not in sys.path:  # a checkout used without installing the package
 
 import torch  # noqa: E402
 
-from flashswitch import registry  # noqa: E402
+from flashswitch import _common as C, registry  # noqa: E402
 from flashswitch.autotune import store  # noqa: E402
 from flashswitch.autotune.tune import bench_ms, versions  # noqa: E402
 
 BACKENDS = ("triton", "cuda", "cupy", "reference", "compiled")
-KERNEL_BACKENDS = ("triton", "cuda", "cupy")
+KERNEL_BACKENDS = C.KERNEL_BACKENDS
 BASELINES = ("sdpa_causal", "cat_sdpa_decode", "flex", "flex_nocat", "dense_equal_macs", "grouped_mm_pipeline")
 BACKEND_ORDER = {b: i for i, b in enumerate(("reference", "compiled") + BASELINES + KERNEL_BACKENDS)}
 RESULTS = BENCH_DIR / "results"
@@ -111,7 +111,6 @@ def make_callable(spec: registry.OpSpec, backend: str, problem: dict):
 
 
 def backend_usable(backend: str) -> bool:
-    from flashswitch import _common as C
     if backend not in KERNEL_BACKENDS:
         return True
     try:

@@ -224,11 +224,11 @@ def check_eva_cache(arch: int, dtype: str) -> list[dict]:
     generation's shape launches them: each window, with and without a summary-bias tensor; the two
     around op 1, and the one-launch step (mean summaries with the log-count bias, weighted ones with
     the tensor)."""
-    from flashswitch import EvaCache
+    from flashswitch import EvaCache, registry
     from flashswitch.kernels_triton import eva_cache as kernels
 
     B, Hkv, D, C, W, N = 16, 8, 64, 16, 64, 32768
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    dt = registry.DTYPES[dtype]
     rows = []
     for index, (window, bias) in enumerate((w, b) for w in ("block", "sliding") for b in ("log_count", "tensor")):
         def run(window=window, bias=bias):
@@ -254,9 +254,10 @@ def check_layer_ops(arch: int, dtype: str) -> list[dict]:
     """Compile the decoder layers' fused kernels (kernels_triton/layer_ops.py) at the e2e models' widths:
     rotary of q/k (shared and per-sequence positions), RMSNorm with and without the residual add,
     silu * up, the packed rotary's forward and backward (SwitchHead-262M's heads) and the routers' top-k."""
+    from flashswitch import registry
     from flashswitch.kernels_triton import layer_ops as ops
 
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    dt = registry.DTYPES[dtype]
     freq = torch.zeros(32)
     cases = {
         "rotary_qk": lambda: ops.rotary_qk(torch.zeros(16, 32, 1, 64, dtype=dt), torch.zeros(16, 8, 1, 64, dtype=dt),

@@ -12,7 +12,8 @@ from torch.autograd import forward_ad as _forward_ad
 
 BACKEND_ENV = "FLASHSWITCH_BACKEND"  # forces the backend that backend="auto" picks
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # config files' dtype names
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 BACKENDS = ("reference", "triton", "cuda", "cupy")
 KERNEL_BACKENDS = BACKENDS[1:]  # the ones that launch kernels (and run the Triton backward kernels)
 

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 ENV_VARS = ("FLASHSWITCH_BACKEND", "FLASHSWITCH_CONFIG_DIR", "FLASHSWITCH_POISON", "FLASHSWITCH_SKIP_CUDA_BUILD",
             "TRITON_INTERPRET", "CUDA_HOME", "CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS",
             "HYPOTHESIS_PROFILE")
-KERNEL_BACKENDS = ("triton", "cuda", "cupy")
+KERNEL_BACKENDS = ("triton", "cuda", "cupy")  # _common.KERNEL_BACKENDS, here without importing torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

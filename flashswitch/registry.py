@@ -14,7 +14,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from flashswitch._common import DTYPES  # the tooling's dtype names
 
 
 def as_tuple(out) -> tuple:

@@ -130,3 +130,10 @@ def test_fs_help_lists_test():
                          env={**os.environ, "FLASHSWITCH_PYTHON": sys.executable})
     assert out.returncode == 0
     assert "test" in out.stdout.split("\n")[1] and "autotune" in out.stdout
+
+
+def test_cli_kernel_backends_are_the_library_ones():
+    """The CLI keeps its own copy of the kernel backends (it starts without importing torch)."""
+    from flashswitch import _common as C
+    assert cli.KERNEL_BACKENDS == C.KERNEL_BACKENDS
+    assert registry.DTYPES is C.DTYPES and C.DTYPE_NAMES == {v: k for k, v in C.DTYPES.items()}
