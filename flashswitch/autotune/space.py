@@ -680,6 +680,23 @@ FITS = {
 }
 
 # Shapes `flashswitch autotune` sweeps: keyword arguments of each op's bench/tune problem builder.
+# op 3's tuning shapes, forward and backward: keyword arguments of reference.expert_matmul.random_problem
+# (its paper_shapes), then what the 262M layers run under autocast (fp32 master weights, read and cast by
+# the kernels)
+_EXPERT_MATMUL_SHAPES = [
+    dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True),            # SwitchHead-262M V
+    dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True),    # SwitchHead-262M O
+    dict(T=16384, S=8, E=512, d_in=1024, d_out=128, G_out=8, gated=False),          # sigma-MoE up
+    dict(T=16384, S=8, E=512, d_in=128, d_out=1024, G_in=8, G_out=1, gated=True),   # sigma-MoE down
+    dict(T=16384, S=6, E=10, d_in=412, d_out=76, G_out=2, gated=True),              # SwitchHead-47M V
+    dict(T=16384, S=6, E=10, d_in=76, d_out=412, G_in=2, G_out=1, gated=True),      # SwitchHead-47M O
+    dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True, weight_dtype=torch.float32),
+    dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True, weight_dtype=torch.float32),
+    # SwitchAll-262M's sigma-MoE MLP (32 experts of 128, k = 4) up and down
+    dict(T=16384, S=4, E=32, d_in=1024, d_out=128, gated=False, weight_dtype=torch.float32),
+    dict(T=16384, S=4, E=32, d_in=128, d_out=1024, G_in=4, G_out=1, gated=True, weight_dtype=torch.float32),
+]
+
 TUNE_SHAPES = {
     "chunk_summaries": [
         dict(B=1, H=16, N=32768, D=128, C=16),
@@ -700,17 +717,7 @@ TUNE_SHAPES = {
         dict(B=1, H=16, Hkv=16, Nk=8192, D=128, C=16, W=2048, window="block"),
         dict(B=1, H=16, Hkv=16, Nk=65536, D=128, C=16, W=2048, window="block"),
     ],
-    "expert_matmul": [  # keyword arguments of reference.expert_matmul.random_problem (its paper_shapes)
-        dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True),            # SwitchHead-262M V
-        dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True),    # SwitchHead-262M O
-        dict(T=16384, S=8, E=512, d_in=1024, d_out=128, G_out=8, gated=False),          # sigma-MoE up
-        dict(T=16384, S=8, E=512, d_in=128, d_out=1024, G_in=8, G_out=1, gated=True),   # sigma-MoE down
-        dict(T=16384, S=6, E=10, d_in=412, d_out=76, G_out=2, gated=True),              # SwitchHead-47M V
-        dict(T=16384, S=6, E=10, d_in=76, d_out=412, G_in=2, G_out=1, gated=True),      # SwitchHead-47M O
-        # the 262M layers under autocast: fp32 master weights read and cast by the kernels
-        dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True, weight_dtype=torch.float32),
-        dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True, weight_dtype=torch.float32),
-    ],
+    "expert_matmul": _EXPERT_MATMUL_SHAPES,
     # backward passes (the tuner times forward + backward): the training shapes of the benchmarks
     "chunk_summaries.bwd": [
         dict(B=1, H=16, N=32768, D=128, C=16),
@@ -722,17 +729,7 @@ TUNE_SHAPES = {
         dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=32, W=256, window="sliding"),
         dict(B=2, H=16, Hkv=4, Nk=8192, D=128, C=16, W=1024, window="block"),
     ],
-    "expert_matmul.bwd": [
-        dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True),            # SwitchHead-262M V
-        dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True),    # SwitchHead-262M O
-        dict(T=16384, S=8, E=512, d_in=1024, d_out=128, G_out=8, gated=False),          # sigma-MoE up
-        dict(T=16384, S=8, E=512, d_in=128, d_out=1024, G_in=8, G_out=1, gated=True),   # sigma-MoE down
-        dict(T=16384, S=6, E=10, d_in=412, d_out=76, G_out=2, gated=True),              # SwitchHead-47M V
-        dict(T=16384, S=6, E=10, d_in=76, d_out=412, G_in=2, G_out=1, gated=True),      # SwitchHead-47M O
-        # the 262M layers under autocast: fp32 master weights read and cast by the kernels
-        dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True, weight_dtype=torch.float32),
-        dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True, weight_dtype=torch.float32),
-    ],
+    "expert_matmul.bwd": _EXPERT_MATMUL_SHAPES,
 }
 
 
