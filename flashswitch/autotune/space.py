@@ -693,7 +693,7 @@ _EXPERT_MATMUL_SHAPES = [
     dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True, weight_dtype=torch.float32),
     dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True, weight_dtype=torch.float32),
     # SwitchAll-262M's sigma-MoE MLP (32 experts of 128, k = 4) up and down
-    dict(T=16384, S=4, E=32, d_in=1024, d_out=128, gated=False, weight_dtype=torch.float32),
+    dict(T=16384, S=4, E=32, d_in=1024, d_out=128, G_out=4, gated=False, weight_dtype=torch.float32),
     dict(T=16384, S=4, E=32, d_in=128, d_out=1024, G_in=4, G_out=1, gated=True, weight_dtype=torch.float32),
 ]
 
