@@ -243,8 +243,8 @@ def cmd_check(args) -> int:
                                 continue  # bf16 arithmetic is missing in the Triton interpreter
                             try:
                                 outs = baseline if b == "reference" else spec.kernel_outputs(b, None, problem)
-                                err, msg = _compare(spec, outs, oracle, baseline, registry.DTYPES[dt], use_baseline=b != "reference",
-                                                    problem=problem)
+                                err, msg = _compare(spec, outs, oracle, baseline, registry.DTYPES[dt],
+                                                    use_baseline=b != "reference", problem=problem)
                             except Exception as e:  # a crash is a failure of that row, not of the run
                                 err, msg = None, f"{type(e).__name__}: {e}"
                             ok = msg is None
