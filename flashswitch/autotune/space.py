@@ -359,11 +359,12 @@ def _eva_bwd_triton_space(f: dict) -> list[dict]:
         # unless cut; absent = automatic), on the default tiles
         out += [{**default, "SUM_SPLITS": sp} for sp in (1, 2, 4, 8)]
     # the dK/dV kernel's query walk in three loops (masked lead, unmasked middle, masked trail) on each
-    # dK/dV tile with the default dQ tiles, and with pieces per summary tile on the default tiles
+    # dK/dV tile with the default dQ tiles, and with pieces per summary tile on the default tiles; the
+    # default tiles with the other walk than the default's
     dq_default = {key: default[key] for key in ("BLOCK_M_DQ", "BLOCK_N_DQ", "num_warps_dq", "num_stages_dq")}
     split = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, **dq_default, "KV_SPLIT_LOOPS": True}
              for (bm, bn, w), s in itertools.product(kv, stages) if _eva_bwd_fits(f, bm, bn, w, s)]
-    out += [{**default, "KV_SPLIT_LOOPS": True}] + split
+    out += [{**default, "KV_SPLIT_LOOPS": not default.get("KV_SPLIT_LOOPS", False)}] + split
     if not fp32 and not decode:
         out += [{**default, "SUM_SPLITS": sp, "KV_SPLIT_LOOPS": True} for sp in (2, 4)]
     uniq = []
@@ -379,11 +380,16 @@ def _eva_bwd_triton_default(f: dict) -> dict:
         t = 32 if D <= 64 else 16
         return {"BLOCK_M": 16 if decode else t, "BLOCK_N": t, "num_warps": 4, "num_stages": 2,
                 "BLOCK_M_DQ": 16 if decode else t, "BLOCK_N_DQ": t, "num_warps_dq": 4, "num_stages_dq": 2}
+    # 16-bit prefill: the dK/dV walk in three loops (unmasked middle) is 8-20% faster on the H200's
+    # block and sliding buckets; decode shapes keep one loop (not measured there)
+    split_loops = {} if decode else {"KV_SPLIT_LOOPS": True}
     if D <= 128:
         return {"BLOCK_M": 16 if decode else 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2,
-                "BLOCK_M_DQ": 16 if decode else 128, "BLOCK_N_DQ": 64, "num_warps_dq": 8, "num_stages_dq": 2}
+                "BLOCK_M_DQ": 16 if decode else 128, "BLOCK_N_DQ": 64, "num_warps_dq": 8, "num_stages_dq": 2,
+                **split_loops}
     return {"BLOCK_M": 16 if decode else 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
-            "BLOCK_M_DQ": 16 if decode else 64, "BLOCK_N_DQ": 32, "num_warps_dq": 8, "num_stages_dq": 2}
+            "BLOCK_M_DQ": 16 if decode else 64, "BLOCK_N_DQ": 32, "num_warps_dq": 8, "num_stages_dq": 2,
+            **split_loops}
 
 
 # ---------------------------------------------------------------- op 3: expert_matmul
