@@ -39,6 +39,8 @@ CONFIGS = {
     "dense-z": {**_SMALL, "DENSE_Z": True},
     # dW and dZ = dy · W_catᵀ as dense GEMMs over the forward's Z of gated x rows per output group
     "dense-x": {**_SMALL, "DENSE_X": True},
+    # the dx kernel on a 16-bit copy of fp32 master weights (a no-op for weights in x's dtype)
+    "cast-w": {**_SMALL, "CAST_W": True},
 }
 
 
@@ -180,9 +182,10 @@ def test_fp32_master_weights(backend, dtype):
     p = random_problem(T=14, S=4, E=5, d_in=24, d_out=20, G_out=2, dtype=dtype, weight_dtype=torch.float32,
                        device=DEVICE, seed=2)
     dy = _dy(p)
-    grads = _grads(backend, p, dy)
-    assert grads[1].dtype == torch.float32
-    _check(grads, p, dy)
+    for config in (None, CONFIGS["cast-w"]):
+        grads = _grads(backend, p, dy, config)
+        assert grads[1].dtype == torch.float32
+        _check(grads, p, dy)
 
 
 def test_strided_inputs(backend):

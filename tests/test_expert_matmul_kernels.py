@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import DEVICE, dtypes_here
+from conftest import DEVICE, dtypes_here, kernel_backends
 from flashswitch._common import backend_available
 from flashswitch.ops import expert_matmul as op
 from flashswitch.ops.expert_matmul import Route, expert_matmul, route
@@ -123,6 +123,22 @@ def test_fp32_master_weights(backend, dtype):
         _check(_call(backend, p, deterministic=det), p)
     q = dict(p, gates=p["gates"].float())  # gates in another float dtype than x
     _check(_call(backend, q), q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("G_out,det", [(None, False), (2, False), (2, True)])
+def test_cast_w_runs_on_16bit_weights(dtype, G_out, det, monkeypatch):
+    """Config CAST_W: the tile kernel gets a 16-bit copy of fp32 master weights, made once per call
+    (fp16 also under the CPU interpreter, whose bf16 dots are wrong)."""
+    if "triton" not in kernel_backends() or dtype == torch.bfloat16 and DEVICE != "cuda":
+        pytest.skip("triton cannot run this here")
+    from flashswitch.kernels_triton import expert_matmul as K
+    casts = []
+    monkeypatch.setattr(K, "weights_in", lambda w, dt: casts.append(dt) or w.to(dt).contiguous())
+    p = random_problem(T=30, S=4, E=5, d_in=24, d_out=20, G_out=G_out, dtype=dtype, weight_dtype=torch.float32,
+                       device=DEVICE, seed=3)
+    _check(_call("triton", p, config={"CAST_W": True}, deterministic=det), p)
+    assert casts == [dtype]
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -350,7 +366,6 @@ def test_reference_backend_is_differentiable():
 
 def test_opcheck():
     """Schema, fake-tensor and AOT-dispatch checks of the registered op (kernel backend where one runs)."""
-    from conftest import kernel_backends
     backends = kernel_backends()
     if not backends:
         pytest.skip("no kernel backend here")

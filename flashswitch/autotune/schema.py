@@ -60,7 +60,7 @@ KEYS: dict[str, Callable] = {
     "DX_INTERLEAVE": _bool, "DX_PARTIALS": _one_of("out", "fp32"), "DX_num_warps": _one_of(1, 2, 4, 8, 16),
     "DX_num_stages": _int(1, 8), "DW_BLOCK_M": _pow2(16, 256), "DW_BLOCK_N": _pow2(16, 256),
     "DW_BLOCK_K": _pow2(16, 256), "DW_num_warps": _one_of(1, 2, 4, 8, 16), "DW_num_stages": _int(1, 8),
-    "SPLIT_K": _int(1, 128), "DENSE_Z": _bool, "DENSE_X": _bool,
+    "SPLIT_K": _int(1, 128), "DENSE_Z": _bool, "DENSE_X": _bool, "CAST_W": _bool,
 }
 
 _TRITON_BASE = {"num_warps", "num_stages"}
@@ -73,7 +73,7 @@ CONFIG_KEYS: dict[tuple, set] = {
     ("eva_attention", "cuda"): {"decode"},
     ("eva_attention", "cupy"): {"decode"},
     ("expert_matmul", "triton"): _TRITON_BASE | {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_N", "INTERLEAVE",
-                                                 "PARTIALS", "REDUCE", "DENSE_Z"},
+                                                 "PARTIALS", "REDUCE", "DENSE_Z", "CAST_W"},
     ("expert_matmul", "cuda"): {"BLOCK_M", "BLOCK_N", "GROUP_N", "REDUCE", "variant"},
     ("expert_matmul", "cupy"): {"BLOCK_M", "BLOCK_N", "GROUP_N", "REDUCE", "variant"},
     ("chunk_summaries.bwd", "triton"): _TRITON_BASE | {"BLOCK_CHUNKS", "BLOCK_J"},
@@ -81,7 +81,7 @@ CONFIG_KEYS: dict[tuple, set] = {
                                                      "num_stages_dq", "SUM_SPLITS", "KV_SPLIT_LOOPS"},
     ("expert_matmul.bwd", "triton"): {"DX_BLOCK_M", "DX_BLOCK_N", "DX_BLOCK_K", "DX_INTERLEAVE", "DX_PARTIALS",
                                       "DX_num_warps", "DX_num_stages", "DW_BLOCK_M", "DW_BLOCK_N", "DW_BLOCK_K",
-                                      "DW_num_warps", "DW_num_stages", "SPLIT_K", "DENSE_Z", "DENSE_X"},
+                                      "DW_num_warps", "DW_num_stages", "SPLIT_K", "DENSE_Z", "DENSE_X", "CAST_W"},
 }
 
 

@@ -477,11 +477,20 @@ def _em_triton_space(f: dict) -> list[dict]:
         out += [{**c, "PARTIALS": "out"} for c in out
                 if c.get("REDUCE") == "ordered" or (two and c["INTERLEAVE"] == _em_interleave(f, c["BLOCK_M"]) and
                                                     c["GROUP_N"] == _em_group_n(f, c["BLOCK_N"], c["INTERLEAVE"]))]
+    if _em_master_weights(f):
+        # fp32 master weights: the same tiles on a 16-bit copy of the weights (CAST_W), whose B tiles
+        # skip the in-register conversion at the price of one cast pass per call
+        out += [{**c, "CAST_W": True} for c in out]
     if _em_dense_fits(f, "G_out", 4):
         # DENSE_Z (kernels_triton/expert_matmul.py): y = Z · W_cat, one dense GEMM at G_out·E / S times
         # the pairs' MACs, no slot reduction; the tiles above are unused then
         out.append({**_em_triton_default(f), "DENSE_Z": True})
     return out
+
+
+def _em_master_weights(f: dict) -> bool:
+    """fp32 weights under 16-bit x (config CAST_W may pay)."""
+    return f.get("wdtype", f["dtype"]) != f["dtype"]
 
 
 def _em_triton_default(f: dict) -> dict:
@@ -638,6 +647,8 @@ def _em_bwd_triton_space(f: dict) -> list[dict]:
         base = _em_bwd_dw(f, bm, bn)
         dws += [base] + ([{**base, "SPLIT_K": 2 * base["SPLIT_K"]}] if base["SPLIT_K"] < 16 else [])
     out = [default] + [{**dx, **dw, "DENSE_Z": False} for dx in dxs for dw in dws]
+    if _em_master_weights(f):  # each dx variant on a 16-bit copy of the weights (CAST_W), default dW
+        out += [{**default, **dx, "DENSE_Z": False, "CAST_W": True} for dx in dxs]
     if _em_dense_fits(f, "G_in", 4):  # dense Z on the default dx tiles (dW then needs no kernel)
         out += [{**default, "DENSE_Z": True}, {**default, **_em_bwd_dx(f, min(64, cap), bin_), "DENSE_Z": True}]
     if _em_dense_fits(f, "G_out", 4):  # the forward's dense Z: dW and dZ as dense GEMMs, no tile kernels

@@ -39,6 +39,10 @@ accumulation, deterministic) doing G_out·E / S times the pairs' MACs at tensor-
 reduction. Z holds x's dtype: one rounding of each gated sum before the GEMM. The backward's DENSE_Z
 builds its Z the same way from dy rows.
 
+Config `CAST_W` (fp32 master weights under 16-bit x): cast the weights to x's dtype once per call
+(`weights_in`, one elementwise pass over E·d_in·d_out values) and run the tile kernel on 16-bit
+weights, instead of converting every B tile in registers on each of its reads.
+
 Tile schedule (config knobs):
 - `GROUP_N`: programs are ordered (group of GROUP_N column tiles, row tile, column tile in group).
   GROUP_N = all column tiles makes the column tiles of one row tile neighbours (the gathered A rows
@@ -337,6 +341,22 @@ def _dense_z_calls(T, S, E, G, spg_src, d, s_src, sg, has_gates, fast):
     return pair_experts, dense_z
 
 
+def weights_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Config CAST_W: weight [E, d_in, d_out] in `dtype`, contiguous (weight itself when it has that
+    dtype already)."""
+    if weight.dtype == dtype:
+        return weight
+    return torch.empty(weight.shape, dtype=dtype, device=weight.device).copy_(weight)
+
+
+def cast_weights(config, weight, x_dtype) -> bool:
+    """Whether config CAST_W applies: asked for, and weights of another dtype than x (master weights)."""
+    cast = config.get("CAST_W", False)
+    if not isinstance(cast, bool):
+        raise TypeError(f"config CAST_W must be a bool, got {cast!r}")
+    return cast and weight.dtype != x_dtype
+
+
 def _weights_cat(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """weight [E, d_in, d_out] as W_cat [E·d_in, d_out] in `dtype` (fp32 master weights under 16-bit x
     are cast: the dense GEMMs read x's dtype), in one copy at most."""
@@ -420,7 +440,8 @@ def prepare(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config, 
         st = y.stride() if into_y else torch.empty(y.shape, dtype=part_dtype, device="meta").stride()
 
     dot_precision = "ieee" if x3.dtype == torch.float32 else "tf32"
-    sw = weight.stride()
+    cast_w = cast_weights(config, weight, x3.dtype)
+    sw = torch.empty(weight.shape, device="meta").stride() if cast_w else weight.stride()
     call = KernelCall(
         _expert_matmul_fwd, (grid_m * n_tiles_n,), 7,
         (E, d_in, d_out, S // G_in, spg_out,
@@ -438,6 +459,8 @@ def prepare(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config, 
     device = y.device if y.device.type != "meta" else x3.device
 
     def enqueue(x3, weight, gates, route, y):
+        if cast_w:
+            weight = weights_in(weight, x3.dtype)
         if ordered:
             target = torch.empty(scratch_shape, dtype=part_dtype, device=device)
         elif atomic:
@@ -460,9 +483,9 @@ def launch(x3, weight, gates, route, y, *, G_in, G_out, deterministic, config):
     x3: [T, G_in, d_in] with a unit last stride. weight: [E, d_in, d_out], any strides, x's dtype or
     fp32. gates: None or [T, S] (any float dtype, any strides). route: a `Route` (token, slot int32
     [P]; offsets int64 [E+1]). config (complete, from call_plan.config or complete_config): BLOCK_M,
-    BLOCK_N, BLOCK_K, GROUP_N, INTERLEAVE, num_warps, num_stages, optional REDUCE ("atomic" or "ordered") and
+    BLOCK_N, BLOCK_K, GROUP_N, INTERLEAVE, num_warps, num_stages, optional REDUCE ("atomic" or "ordered"),
     PARTIALS ("fp32" or "out": the dtype of the per-pair partials of the slot sum; `deterministic`
-    keeps fp32).
+    keeps fp32), DENSE_Z and CAST_W (module docstring).
     """
     prepare(x3, weight, gates, route, y, G_in=G_in, G_out=G_out, deterministic=deterministic,
             config=config)(x3, weight, gates, route, y)

@@ -26,6 +26,8 @@ With pair p = (t, s) of expert e, x_row(p) = x[t, s // (S / G_in)], dy_row(p) = 
   dZ = dy · W_catᵀ [T·G_out, E·d_in] (every expert's dy · W[e]ᵀ), both dense GEMMs at G_out·E / S times
   the pairs' MACs; then `_dense_dx` sums each input group's gated dZ blocks into dx in slot order and
   dots them with the x row for d gates. No per-pair scratch, no split-K partials.
+- Config CAST_W (fp32 master weights): the dx kernel reads a 16-bit copy of the weights, as the
+  forward's CAST_W; d W stays in the weights' dtype.
 """
 from __future__ import annotations
 
@@ -36,13 +38,14 @@ import triton.language as tl
 from flashswitch.kernels_triton.kernel_call import KernelCall
 from flashswitch.kernels_triton.expert_matmul import (_aligned, _dense_z_calls, _gather_gemm, _group_row,
                                                        _group_sum_call, _pair_gates, _pow2, _pow2_divisor,
-                                                       _row_tile_grid, _tile_of, _tile_pairs, _weights_cat)
+                                                       _row_tile_grid, _tile_of, _tile_pairs, _weights_cat,
+                                                       cast_weights, weights_in)
 
 DX_KEYS = ("DX_BLOCK_M", "DX_BLOCK_N", "DX_BLOCK_K", "DX_INTERLEAVE", "DX_PARTIALS", "DX_num_warps",
            "DX_num_stages")
 DW_KEYS = ("DW_BLOCK_M", "DW_BLOCK_N", "DW_BLOCK_K", "SPLIT_K", "DW_num_warps", "DW_num_stages")
 MODE_KEYS = ("DENSE_Z",)
-CONFIG_KEYS = DX_KEYS + DW_KEYS + MODE_KEYS  # required; DENSE_X is optional (default off)
+CONFIG_KEYS = DX_KEYS + DW_KEYS + MODE_KEYS  # required; DENSE_X and CAST_W are optional (default off)
 PARTIALS_MODES = ("fp32", "out")
 
 
@@ -294,8 +297,10 @@ def prepare(x3, weight, gates, route, dy, want_dx: bool, want_dw: bool, want_dg:
         if d_in == 0 or d_out == 0:  # z_p = 0: zero gradients
             steps.append(_zero_step(want_dx, want_dg))
         else:
-            steps.append(_dx_step(dims, x3.dtype, weight.stride(), has_gates, sg, sx, sdy, want_dx, want_dg,
-                                  dot_precision, cfg, fast))
+            cast_w = cast_weights(cfg, weight, x3.dtype)
+            sw = torch.empty(weight.shape, device="meta").stride() if cast_w else weight.stride()
+            steps.append(_dx_step(dims, x3.dtype, sw, has_gates, sg, sx, sdy, want_dx, want_dg,
+                                  dot_precision, cfg, fast, cast_w))
 
     def enqueue(x3, weight, gates, route, dy, dx, dweight, dgates):
         g = gates if has_gates else x3  # a placeholder pointer when there are no gates
@@ -420,7 +425,7 @@ def _dw_step(dims, has_gates, sg, sx, sdy, num_pairs, dot_precision, cfg, fast):
     return step
 
 
-def _dx_step(dims, x_dtype, sw, has_gates, sg, sx, sdy, want_dx, want_dg, dot_precision, cfg, fast):
+def _dx_step(dims, x_dtype, sw, has_gates, sg, sx, sdy, want_dx, want_dg, dot_precision, cfg, fast, cast_w=False):
     T, S, E, d_in, d_out, G_in, G_out = dims
     P = T * S
     BM = _pow2("DX_BLOCK_M", cfg["DX_BLOCK_M"])
@@ -461,6 +466,8 @@ def _dx_step(dims, x_dtype, sw, has_gates, sg, sx, sdy, want_dx, want_dg, dot_pr
         else:
             out = dx if target == "dx" else x3
         dg_part = torch.empty((n_tiles_n, P), dtype=torch.float32, device=x3.device) if want_dg else out
+        if cast_w:  # config CAST_W (forward module): the dx kernel streams 16-bit weight tiles
+            weight = weights_in(weight, x_dtype)
         dx_call(dy, weight, g, x3, route.token, route.slot, route.offsets, out, dg_part)
         if group_sum is not None:
             group_sum(out, dx)
