@@ -361,11 +361,7 @@ def _weights_cat(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """weight [E, d_in, d_out] as W_cat [E·d_in, d_out] in `dtype` (fp32 master weights under 16-bit x
     are cast: the dense GEMMs read x's dtype), in one copy at most."""
     E, d_in, d_out = weight.shape
-    if weight.dtype == dtype:
-        return weight.reshape(E * d_in, d_out)
-    w_cat = torch.empty((E * d_in, d_out), dtype=dtype, device=weight.device)
-    w_cat.view(E, d_in, d_out).copy_(weight)
-    return w_cat
+    return weights_in(weight, dtype).reshape(E * d_in, d_out)
 
 
 def _dense_forward(T, S, E, d_in, d_out, G_in, G_out, sx, sg, has_gates, fast):
