@@ -196,6 +196,9 @@ def _spawned_rank(rank: int, world: int, workdir: str, device_type: str, cfg: Pa
         results = {mode: parallel_run(mode, cfg, device) for mode in MODES}
         if rank == 0:
             torch.save(results, f"{workdir}/results.pt")
+        # both ranks done before either tears gloo down: a rank that exited while the other still held
+        # its connections aborted once in CI ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
