@@ -95,13 +95,15 @@ def _score_path_floors(p, ref, scale):
     return {"q": by_q, "k": by_k, "k_sum": by_k, "summary_bias": bias}
 
 
-def _underflow_floors(do):
+def _underflow_floors(do, dtype):
     """dv and dv_sum are sums of P * dO. Kernels compute P in fp32, where a probability below fp32's
-    smallest normal flushes to 0: a key all of whose probabilities underflow (a far logit at a large
-    scale) has a true gradient of 1e-60 that no fp32 kernel returns. Sizes below tiny / eps of ||dO||
-    are that rounding; nothing larger is excused."""
+    smallest normal flushes to 0, and with 16-bit inputs P enters the dV product in that dtype (in the
+    reference too), where below the dtype's smallest normal it keeps only a subnormal's absolute
+    precision (fp16: 6e-8). A key all of whose probabilities lie there (a far logit at a large scale)
+    has a true gradient no kernel returns. Sizes below those of ||dO|| are that rounding; nothing
+    larger is excused."""
     f32 = torch.finfo(torch.float32)
-    floor = f32.tiny / f32.eps * do.double().norm().item()
+    floor = max(f32.tiny / f32.eps, torch.finfo(dtype).tiny) * do.double().norm().item()
     return {"v": floor, "v_sum": floor}
 
 
@@ -126,7 +128,7 @@ def _check(got, p, do, dlse, scale=None):
     dtype = p["q"].dtype
     ref = _grads(torch_eva_attention, p, do, dlse, scale, F64)
     base = _grads(torch_eva_attention, p, do, dlse, scale)
-    floors = {**_score_path_floors(p, ref, scale), **_underflow_floors(do)}
+    floors = {**_score_path_floors(p, ref, scale), **_underflow_floors(do, dtype)}
     tol = _recompute_tol(p, scale)
     for name, g, r, b in zip(op.GRAD_INPUTS, got, ref, base):
         if r is None:
@@ -170,15 +172,17 @@ def test_gradients_match_reference(backend, case, scale, use_lse):
     _check(_grads(_kernel(backend), p, do, dlse, scale), p, do, dlse, scale)
 
 
-def test_underflowed_probabilities(backend):
-    """The GPU suite's hypothesis case where the one key of a query's window gets a probability below
-    fp32's range (D = 256, scale 2, 278 summaries): its true dv is ~1e-64, an fp32 kernel's is 0."""
-    case = dict(B=1, H=1, Hkv=1, Nq=1, Nk=279, D=256, C=1, W=1, window="block", summary_bias=None,
-                q_offset=None, layout="contiguous", dtype=F32, seed=0)
+@pytest.mark.parametrize("Nk,D,dtype", [(279, 256, F32), (5, 16, torch.float16)])
+def test_underflowed_probabilities(backend, Nk, D, dtype):
+    """Fuzz cases where the one key of a query's window gets a probability below what P can hold
+    (scale 2; fp32 at D = 256 with 278 summaries: ~1e-64; fp16 at D = 16: ~1e-8, below fp16's
+    subnormals): the true dv is that small, a kernel's is 0."""
+    case = dict(B=1, H=1, Hkv=1, Nq=1, Nk=Nk, D=D, C=1, W=1, window="block", summary_bias=None,
+                q_offset=None, layout="contiguous", dtype=dtype, seed=0)
     p = random_problem(device=DEVICE, **case)
     do, _ = _upstream(p, 0)
     ref = _grads(torch_eva_attention, p, do, None, 2.0, F64)
-    assert 0 < ref[2].norm().item() < _underflow_floors(do)["v"]  # the case underflows
+    assert 0 < ref[2].norm().item() < _underflow_floors(do, dtype)["v"]  # the case underflows
     _check(_grads(_kernel(backend), p, do, None, 2.0), p, do, None, 2.0)
 
 
