@@ -47,6 +47,26 @@ def rule_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if name == "lse" else dtype
 
 
+def rounding_sensitivity(fn, inputs: dict, dtype: torch.dtype, *, samples: int = 2, seed: int = 0) -> dict:
+    """How far each fp64 output of `fn(inputs)` (a dict of tensors) moves, relative to its norm, when every
+    input moves by one rounding of `dtype` (each element scaled by 1 +- eps, random signs); the largest
+    move over `samples` draws, per output. This is the problem's conditioning in units of dtype's
+    rounding: where the terms of a result cancel (a gate gradient that sums dy * y over a few columns),
+    any evaluation order of that precision has an error near this, whatever the reference's own luck."""
+    eps = float(torch.finfo(dtype).eps)
+    ref = {n: t.detach().to(torch.float64) for n, t in fn(inputs).items()}
+    gen = torch.Generator().manual_seed(seed)
+    worst = dict.fromkeys(ref, 0.0)
+    for _ in range(samples):
+        moved = {}
+        for n, t in inputs.items():
+            sign = torch.randint(0, 2, t.shape, generator=gen).to(t.device, torch.float64) * 2 - 1
+            moved[n] = t.detach().to(torch.float64) * (1 + eps * sign)
+        for n, t in fn(moved).items():
+            worst[n] = max(worst[n], rel_error(t, ref[n]))
+    return worst
+
+
 def assert_close(name: str, out, ref, dtype: torch.dtype, *, baseline=None, factor: float = 2.0,
                  floor: float = 0.0, tol: float = 0.0) -> float:
     """Pass when rel_error(out) <= the dtype bound (or `tol` where the problem's conditioning calls for

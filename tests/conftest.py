@@ -1,7 +1,10 @@
 """Test setup: hypothesis profiles, NaN-poisoned kernel outputs, device/backend parametrization.
 
-Profiles (HYPOTHESIS_PROFILE): "ci" (CPU, Triton interpreter, few small examples), "gpu" (default
-when a GPU is visible), "fuzz" (long runs). Without a GPU the Triton kernels run under
+Profiles (HYPOTHESIS_PROFILE): "ci" (the CPU default: Triton interpreter, few small examples) and "gpu"
+(the default when a GPU is visible) are deterministic: derandomized, no example database, so a clean
+clone gives the same result on every run. "explore" draws new examples each run (the default count of
+the device; `--hypothesis-seed N` repeats one), "fuzz" draws 2000 per test for long GPU runs; both
+print a failing example's reproduction blob. Without a GPU the Triton kernels run under
 TRITON_INTERPRET=1 on CPU tensors; CUDA/CuPy tests skip.
 """
 import os
@@ -16,11 +19,13 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-               print_blob=True)
-settings.register_profile("ci", max_examples=12, **_common)
-settings.register_profile("gpu", max_examples=60, **_common)
+               print_blob=True, database=None)
+_DEFAULT = "gpu" if torch.cuda.is_available() else "ci"
+settings.register_profile("ci", max_examples=12, derandomize=True, **_common)
+settings.register_profile("gpu", max_examples=60, derandomize=True, **_common)
+settings.register_profile("explore", max_examples=60 if _DEFAULT == "gpu" else 12, **_common)
 settings.register_profile("fuzz", max_examples=2000, **_common)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if torch.cuda.is_available() else "ci"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _DEFAULT))
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
