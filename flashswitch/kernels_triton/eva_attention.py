@@ -19,9 +19,15 @@ intervals reaches the output (k/v past t_max and summaries past the last visible
 anything, e.g. unused cache capacity): pointer loads mask those rows; with config TMA (tiles loaded
 by the tensor memory accelerator through descriptors) the five loops zero them in v on masked
 blocks, and the FUSE loop's descriptors end at the last key and summary any query sees, so that
-rows past them arrive as zeros. Masked blocks also zero the inf / NaN entries of v and make NaN only
-the rows whose p reaches one (`_isolate_nonfinite`): p = 0 on a key a row cannot see, and p·inf would
-be NaN in that row; so a non-finite input reaches only the queries that see it (SPEC.md, op 2).
+rows past them arrive as zeros.
+
+Non-finite inputs: in a masked block p = 0 on a key a row cannot see, and p·inf is NaN, so an inf /
+NaN value of v would reach rows that do not see it. The walk does not look for them (finite inputs
+would pay on every masked block); a row whose accumulator ends non-finite gets lse = NaN instead,
+and a second launch of the kernel with ISOLATE walks again only the tiles holding such a row,
+zeroing those entries of v in masked blocks and making NaN only the rows whose p reaches one
+(`_isolate_nonfinite`): a non-finite input reaches only the queries that see it (SPEC.md, op 2).
+Every other tile of that launch reads its rows' lse and stops.
 
 With NUM_SPLITS > 1 (flash-decoding) the list of key blocks of each tile is cut into NUM_SPLITS
 contiguous pieces, one per program along grid axis 2. Each writes a normalised partial output and
@@ -152,7 +158,7 @@ def _isolate_nonfinite(v, p, acc):
 def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
             e_lo, e_hi, origin, limit, lo_row, hi_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, row0,
             SUMMARY: tl.constexpr, MASK: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
-            DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+            DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, ISOLATE: tl.constexpr):
     """Fold key blocks e in [e_lo, e_hi) (positions origin + e * BLOCK_N + [0, BLOCK_N)) into the
     running softmax. MASK: row r sees position n iff lo_row[r] <= n <= hi_row[r], and only positions
     below `limit` are read; without MASK every row sees the whole block. A caller tensor bias may be
@@ -192,7 +198,7 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, s
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        if MASK:
+        if MASK and ISOLATE:
             v, acc = _isolate_nonfinite(v, p, acc)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)       # accumulates in place
         m_i = m_new
@@ -204,7 +210,7 @@ def _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, stride_kn,
                   bias_base, stride_bc, blk_lo, blk_hi, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                   st_row, t_row, sc_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, b32, hkv32,
                   BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+                  BLOCK_D: tl.constexpr, TMA: tl.constexpr, ISOLATE: tl.constexpr):
     """The same key blocks as the five `_attend` loops, in one loop (FUSE): summary blocks [0, nb_s),
     then exact blocks; a block takes the mask only where some row of the tile does not see all of it.
     One loop keeps one software pipeline full where the five would each be a few blocks long and
@@ -264,11 +270,72 @@ def _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, stride_kn,
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        if not full:
-            v, acc = _isolate_nonfinite(v, p, acc)
+        if ISOLATE:
+            if not full:
+                v, acc = _isolate_nonfinite(v, p, acc)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _walk(q, k_base, v_base, ks_base, vs_base, bias_base, blk_lo, blk_hi, nb_s, nb_s_full, nb_e, e_a, e_b, st_min,
+          c_hi, t_max, st_row, t_row, sc_row, kv_row0, sum_row0, b, hkv, stride_kn, stride_vn, stride_ksn, stride_vsn,
+          stride_bc, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+          BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, FUSE: tl.constexpr,
+          TMA: tl.constexpr, ISOLATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_D: tl.constexpr):
+    """A tile's key blocks [blk_lo, blk_hi) of the list (one FUSE loop or five loops by kind), folded
+    into a fresh online softmax: (acc, l_i, m_i)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    zero_row = tl.zeros([BLOCK_M], dtype=tl.int32)
+
+    if FUSE:
+        acc, l_i, m_i = _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base,
+                                      stride_kn, stride_vn, stride_ksn, stride_vsn, bias_base, stride_bc,
+                                      blk_lo, blk_hi, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
+                                      st_row, t_row, sc_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                                      b.to(tl.int32), hkv.to(tl.int32), BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N,
+                                      BLOCK_D, TMA, ISOLATE)
+    else:
+        # summaries every row sees
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
+                                tl.maximum(blk_lo, 0), tl.minimum(nb_s_full, blk_hi), 0, c_hi,
+                                zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d, sum_row0,
+                                True, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA, ISOLATE)
+        # summaries only some rows see
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
+                                tl.maximum(blk_lo, nb_s_full), tl.minimum(nb_s, blk_hi), 0, c_hi,
+                                zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d, sum_row0,
+                                True, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA, ISOLATE)
+        # exact keys below start(t_max)
+        lo_e = blk_lo - nb_s
+        hi_e = blk_hi - nb_s
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                                tl.maximum(lo_e, 0), tl.minimum(e_a, hi_e), st_min, t_max + 1,
+                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, kv_row0,
+                                False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA, ISOLATE)
+        # exact keys every row sees
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                                tl.maximum(lo_e, e_a), tl.minimum(e_b, hi_e), st_min, t_max + 1,
+                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, kv_row0,
+                                False, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA, ISOLATE)
+        # exact keys past t_min (the causal diagonal)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                                tl.maximum(lo_e, e_b), tl.minimum(nb_e, hi_e), st_min, t_max + 1,
+                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, kv_row0,
+                                False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA, ISOLATE)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _normalize(acc, l_i, m_i):
+    """(o, lse) of a walk: lse in natural log, -inf (and o = 0) where a row saw nothing."""
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    return acc / l_safe[:, None], tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 
 
 @triton.jit
@@ -286,7 +353,7 @@ def _eva_fwd(
     qk_scale, q_sign,
     SLIDING: tl.constexpr, PACK_GQA: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PREC: tl.constexpr, NEG_Q: tl.constexpr, Q_REG: tl.constexpr, FUSE: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ISOLATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = n_row_blocks - 1 - tl.program_id(0)     # the longest rows first
     pid_bh = tl.program_id(1)
@@ -326,6 +393,12 @@ def _eva_fwd(
     blk_lo = (pid_s * nb) // NUM_SPLITS
     blk_hi = ((pid_s + 1) * nb) // NUM_SPLITS
 
+    row_off_l = h_row.to(tl.int64) * stride_lh + i_row.to(tl.int64) * stride_lm
+    if ISOLATE:  # (one program per tile; o and lse are the outputs) the tiles with a marked row
+        marked = tl.load(lse_ptr + b * stride_lb + row_off_l, mask=row_ok, other=0.0)
+        redo = tl.max((marked != marked).to(tl.int32), axis=0) != 0
+        row_ok = row_ok & redo                      # the others read and write nothing more
+
     row_off_q = h_row.to(tl.int64) * stride_qh + i_row.to(tl.int64) * stride_qm
     q_ptrs = q_ptr + b * stride_qb + row_off_q[:, None] + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
@@ -351,57 +424,51 @@ def _eva_fwd(
         sum_row0 = 0
     bias_base = bias_ptr + b * stride_bb + hkv * stride_bh
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    zero_row = tl.zeros([BLOCK_M], dtype=tl.int32)
-
-    if FUSE:
-        acc, l_i, m_i = _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base,
-                                      stride_kn, stride_vn, stride_ksn, stride_vsn, bias_base, stride_bc,
-                                      blk_lo, blk_hi, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
-                                      st_row, t_row, sc_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                                      b.to(tl.int32), hkv.to(tl.int32), BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N,
-                                      BLOCK_D, TMA)
+    if ISOLATE:
+        # this tile's walk (every split's, merged as _eva_combine merges them, op for op, so that
+        # the rows no non-finite value reaches come out bitwise as the first launch wrote them)
+        m_c = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        den = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_c = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        o = acc_c
+        lse = m_c
+        for s in range(0, NUM_SPLITS):
+            lo = (s * nb) // NUM_SPLITS
+            hi = tl.where(redo, ((s + 1) * nb) // NUM_SPLITS, lo)
+            acc, l_i, m_i = _walk(q, k_base, v_base, ks_base, vs_base, bias_base, lo, hi, nb_s, nb_s_full, nb_e,
+                                  e_a, e_b, st_min, c_hi, t_max, st_row, t_row, sc_row, kv_row0, sum_row0, b, hkv,
+                                  stride_kn, stride_vn, stride_ksn, stride_vsn, stride_bc, Nk, C, qk_scale,
+                                  offs_n, offs_d, mask_d, BIAS_MODE, EVEN_D, DOT_PREC, FUSE, TMA, True,
+                                  BLOCK_M, BLOCK_N, BLOCK_D)
+            o, lse = _normalize(acc, l_i, m_i)
+            m_new = tl.maximum(m_c, lse)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_c - m_use)
+            w = tl.exp(lse - m_use)
+            den = den * alpha + w
+            acc_c = acc_c * alpha[:, None] + w[:, None] * o
+            m_c = m_new
+        if NUM_SPLITS > 1:
+            seen = den > 0.0
+            den_safe = tl.where(seen, den, 1.0)
+            o = acc_c / den_safe[:, None]
+            lse = tl.where(seen, m_c + tl.log(den_safe), float("-inf"))
     else:
-        # summaries every row sees
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
-                                tl.maximum(blk_lo, 0), tl.minimum(nb_s_full, blk_hi), 0, c_hi,
-                                zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d, sum_row0,
-                                True, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA)
-        # summaries only some rows see
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
-                                tl.maximum(blk_lo, nb_s_full), tl.minimum(nb_s, blk_hi), 0, c_hi,
-                                zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d, sum_row0,
-                                True, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA)
-        # exact keys below start(t_max)
-        lo_e = blk_lo - nb_s
-        hi_e = blk_hi - nb_s
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-                                tl.maximum(lo_e, 0), tl.minimum(e_a, hi_e), st_min, t_max + 1,
-                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, kv_row0,
-                                False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA)
-        # exact keys every row sees
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-                                tl.maximum(lo_e, e_a), tl.minimum(e_b, hi_e), st_min, t_max + 1,
-                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, kv_row0,
-                                False, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA)
-        # exact keys past t_min (the causal diagonal)
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-                                tl.maximum(lo_e, e_b), tl.minimum(nb_e, hi_e), st_min, t_max + 1,
-                                st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d, kv_row0,
-                                False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N, TMA)
-
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        acc, l_i, m_i = _walk(q, k_base, v_base, ks_base, vs_base, bias_base, blk_lo, blk_hi, nb_s, nb_s_full, nb_e,
+                              e_a, e_b, st_min, c_hi, t_max, st_row, t_row, sc_row, kv_row0, sum_row0, b, hkv,
+                              stride_kn, stride_vn, stride_ksn, stride_vsn, stride_bc, Nk, C, qk_scale,
+                              offs_n, offs_d, mask_d, BIAS_MODE, EVEN_D, DOT_PREC, FUSE, TMA, False,
+                              BLOCK_M, BLOCK_N, BLOCK_D)
+        o, lse = _normalize(acc, l_i, m_i)
+        # a non-finite accumulator row (p = 0 times an inf may be in it): NaN lse hands it to the
+        # ISOLATE launch
+        finite = tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), axis=1) == 0
+        lse = tl.where(finite, lse, float("nan"))
 
     split = pid_s.to(tl.int64)
     row_off_o = h_row.to(tl.int64) * stride_oh + i_row.to(tl.int64) * stride_om
     o_ptrs = o_ptr + split * stride_os + b * stride_ob + row_off_o[:, None] + offs_d[None, :]
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
-    row_off_l = h_row.to(tl.int64) * stride_lh + i_row.to(tl.int64) * stride_lm
     tl.store(lse_ptr + split * stride_ls + b * stride_lb + row_off_l, lse, mask=row_ok)
 
 
@@ -423,8 +490,10 @@ def _eva_combine(
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     lp_ptrs = lp_ptr + offs_r
     op_ptrs = op_ptr + offs_r[:, None] * D + offs_d[None, :]
+    marked = tl.zeros([BLOCK_R], dtype=tl.int1)
     for _ in range(0, NUM_SPLITS):
         ls = tl.load(lp_ptrs, mask=row_ok, other=float("-inf"))
+        marked = marked | (ls != ls)  # a piece marked the row for the ISOLATE launch
         os_ = tl.load(op_ptrs, mask=mask, other=0.0)
         lp_ptrs += stride_ls
         op_ptrs += stride_ps
@@ -439,6 +508,7 @@ def _eva_combine(
     den_safe = tl.where(seen, den, 1.0)
     o = acc / den_safe[:, None]
     lse = tl.where(seen, m + tl.log(den_safe), float("-inf"))
+    lse = tl.where(marked, float("nan"), lse)
     i = offs_r % Nq
     bh = offs_r // Nq
     b = bh // H
@@ -641,29 +711,34 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sli
 
     t_last = q_offset + Nq - 1  # the last query: it sees the most keys and summaries
     n_keys, n_sums = t_last + 1, min(_window_start(t_last, C, W, sliding) // C, Nc)
-    grid = (geo["n_row_blocks"], B * (Hkv if geo["PACK_GQA"] else H), splits)
-    scalars = (H, Hkv, G, Nq, Nk, Nc, D, C, W, q_offset, geo["rows"], geo["n_row_blocks"], splits,
-               q.stride(0), q.stride(1), q.stride(2),
-               k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2),
-               k_sum.stride(0), k_sum.stride(1), k_sum.stride(2),
-               v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
-               sb[0], sb[1], sb[2],
-               so[0], so[1], so[2], so[3],
-               sl[0], sl[1], sl[2], sl[3],
-               _qk_scale(scale), -1.0 if float(scale) < 0 else 1.0)
+    programs = (geo["n_row_blocks"], B * (Hkv if geo["PACK_GQA"] else H))
     options = dict(num_warps=geo["num_warps"], num_stages=geo["num_stages"], **geo["launch"])
 
-    def fwd_call(tma: bool) -> KernelCall:
-        return KernelCall(_eva_fwd, grid, 8, scalars, dict(
+    def fwd_call(tma: bool, isolate: bool = False) -> KernelCall:
+        """The first launch (one program per tile and split, partial outputs where split), or with
+        `isolate` the second (one per tile, walking every split, into o and lse)."""
+        s_o, s_l = ((0,) + o.stride()[:3], (0,) + lse.stride()) if isolate else (so, sl)
+        scalars = (H, Hkv, G, Nq, Nk, Nc, D, C, W, q_offset, geo["rows"], geo["n_row_blocks"], splits,
+                   q.stride(0), q.stride(1), q.stride(2),
+                   k.stride(0), k.stride(1), k.stride(2),
+                   v.stride(0), v.stride(1), v.stride(2),
+                   k_sum.stride(0), k_sum.stride(1), k_sum.stride(2),
+                   v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
+                   sb[0], sb[1], sb[2],
+                   s_o[0], s_o[1], s_o[2], s_o[3],
+                   s_l[0], s_l[1], s_l[2], s_l[3],
+                   _qk_scale(scale), -1.0 if float(scale) < 0 else 1.0)
+        return KernelCall(_eva_fwd, programs + (1 if isolate else splits,), 8, scalars, dict(
             SLIDING=bool(sliding), PACK_GQA=geo["PACK_GQA"], BIAS_MODE=bias_mode, EVEN_D=D == geo["BLOCK_D"],
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NEG_Q=float(scale) < 0, Q_REG=geo["Q_REG"],
-            FUSE=geo["FUSE"], TMA=tma, BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"], BLOCK_D=geo["BLOCK_D"]),
-            options, fast=fast)
+            FUSE=geo["FUSE"], TMA=tma, ISOLATE=isolate, BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"],
+            BLOCK_D=geo["BLOCK_D"]), options, fast=fast)
 
     fwd = fwd_call(False)
     tma = geo["TMA"]  # descriptors where this call's tensors take them (_tma_operands), else pointers
     fwd_tma = fwd_call(True) if tma else None
+    # the tiles a non-finite value reached, again (module docstring)
+    isolate, isolate_tma = fwd_call(False, isolate=True), (fwd_call(True, isolate=True) if tma else None)
     combine = None
     if splits > 1:
         R = B * H * Nq
@@ -692,8 +767,13 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sli
             fwd_tma(q, *descs, bias, o_dst, l_dst)
         if combine is not None:
             combine(o_dst, l_dst, o, lse)
+        if descs is None:
+            isolate(q, k, v, k_sum, v_sum, bias, o, lse)
+        else:
+            isolate_tma(q, *descs, bias, o, lse)
 
-    enqueue.calls = tuple(c for c in (fwd, fwd_tma, combine) if c is not None)  # what it launches (tests)
+    # what it launches (tests)
+    enqueue.calls = tuple(c for c in (fwd, fwd_tma, combine, isolate, isolate_tma) if c is not None)
     if not (config and config.get("GLUON")):
         return enqueue
     from flashswitch.kernels_triton import eva_attention_gluon as glu
