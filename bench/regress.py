@@ -5,7 +5,9 @@ a git revision (REV), side by side on one GPU.
                             [--backend triton] [--build] [--smoke] [--out-dir DIR] [--out-name regress]
 
 REV is checked out in a git worktree under `.regress/<sha>` (ignored by git; reused while it is clean,
-stale ones pruned). Each side runs in its own persistent process (bench/regress_worker.py, driven over
+stale ones pruned). For a copy of the repository without its git history (a remote GPU machine),
+`--export` writes REV's files there beforehand (carry `.regress` along) and FLASHSWITCH_COMMIT names
+head's commit. Each side runs in its own persistent process (bench/regress_worker.py, driven over
 stdin/stdout) with PYTHONPATH set to its checkout and FLASHSWITCH_CONFIG_DIR unset, so each imports its
 own flashswitch and reads its own tuned configs. The worker calls only the public API, with inputs from
 fixed seeds. A case a side cannot run (no backward pass, a missing argument) is reported unsupported
@@ -49,6 +51,7 @@ from common import device_name, env_info, now, results_dir  # noqa: E402
 from flashswitch import registry  # noqa: E402
 from regress_worker import make_inputs  # noqa: E402
 
+COMMIT_ENV = "FLASHSWITCH_COMMIT"
 # test hook: head's timings multiplied by this factor, so a test can see the gate fail
 SLOWDOWN_ENV = "FLASHSWITCH_REGRESS_TEST_SLOWDOWN"
 
@@ -143,8 +146,37 @@ def git(*args, cwd: Path = ROOT) -> str:
     return out.stdout.strip()
 
 
+COMMIT_FILE = "REGRESS_COMMIT"  # in an exported tree: its full sha
+
+
+def export(rev: str, folder: Path) -> Path:
+    """REV's files (git archive, no history) under folder/<sha12> with its sha in COMMIT_FILE: a tree to
+    carry to a machine whose copy of the repository has no git history."""
+    sha = git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    path = folder / sha[:12]
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", sha], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(path)], input=archive, check=True)
+    (path / COMMIT_FILE).write_text(sha + "\n")
+    return path
+
+
+def exported(rev: str, folder: Path) -> tuple[str, Path] | None:
+    """(sha, tree) of an exported tree of `rev` (a sha or its prefix) under `folder`, if there is one."""
+    for path in sorted(folder.glob("*/" + COMMIT_FILE)):
+        sha = path.read_text().strip()
+        if len(rev) >= 7 and sha.startswith(rev.lower()):
+            return sha, path.parent
+    return None
+
+
 def checkout(rev: str, folder: Path) -> tuple[str, Path]:
-    """(full sha, worktree) of `rev`: an existing clean worktree of it under `folder`, else a new one."""
+    """(full sha, worktree) of `rev`: an exported tree of it under `folder` (`--export`), an existing
+    clean worktree, else a new one."""
+    found = exported(rev, folder)
+    if found:
+        return found
     sha = git("rev-parse", "--verify", f"{rev}^{{commit}}")
     path = folder / sha[:12]
     git("worktree", "prune")  # forget worktrees whose folders were deleted
@@ -165,7 +197,10 @@ def checkout(rev: str, folder: Path) -> tuple[str, Path]:
 
 
 def head_state() -> tuple[str, bool]:
-    """(HEAD's full sha, whether the working tree differs from it)."""
+    """(HEAD's full sha, whether the working tree differs from it); a copy without git history names
+    its commit in FLASHSWITCH_COMMIT (taken as clean)."""
+    if not (ROOT / ".git").exists() and os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV], False
     return git("rev-parse", "HEAD"), bool(git("status", "--porcelain"))
 
 
@@ -385,8 +420,13 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, default=None, help="default bench/results/<device>/")
     ap.add_argument("--out-name", default="regress", help="file stem (e.g. regress_61b62cb)")
     ap.add_argument("--worktree-dir", type=Path, default=ROOT / ".regress", help="where REV's worktree goes")
+    ap.add_argument("--export", action="store_true",
+                    help="only write REV's files under --worktree-dir, for a machine without git history")
     args = ap.parse_args()
     try:
+        if args.export:
+            print(export(args.against, args.worktree_dir.resolve()))
+            return 0
         return run(args)
     except NeedsAttention as err:
         print(f"regress: {err}", file=sys.stderr)
