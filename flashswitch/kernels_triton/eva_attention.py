@@ -23,11 +23,12 @@ rows past them arrive as zeros.
 
 Non-finite inputs: in a masked block p = 0 on a key a row cannot see, and p·inf is NaN, so an inf /
 NaN value of v would reach rows that do not see it. The walk does not look for them (finite inputs
-would pay on every masked block); a row whose accumulator ends non-finite gets lse = NaN instead,
-and a second launch of the kernel with ISOLATE walks again only the tiles holding such a row,
-zeroing those entries of v in masked blocks and making NaN only the rows whose p reaches one
-(`_isolate_nonfinite`): a non-finite input reaches only the queries that see it (SPEC.md, op 2).
-Every other tile of that launch reads its rows' lse and stops.
+would pay on every masked block, and the check kept v in registers in every block of the FUSE loop);
+a tile whose accumulator ends non-finite walks its range again with ISOLATE, zeroing those entries
+of v in masked blocks and making NaN only the rows whose p reaches one (`_isolate_nonfinite`): a
+non-finite input reaches only the queries that see it (SPEC.md, op 2). The second walk's code raises
+the kernel's register count, which ptxas sets for the whole kernel: without a config `maxnreg` the
+launcher caps it at what the first walk's occupancy (shared memory) allows (`_register_cap`).
 
 With NUM_SPLITS > 1 (flash-decoding) the list of key blocks of each tile is cut into NUM_SPLITS
 contiguous pieces, one per program along grid axis 2. Each writes a normalised partial output and
@@ -165,7 +166,7 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, s
     -inf (a summary switched off). TMA: k_base / v_base are tensor descriptors of [rows, D] views
     whose row row0 + n is position n of this (batch, kv head); a masked block's rows at or past
     `limit` may then hold anything (another head's rows, unused cache) and v is zeroed there."""
-    for e in range(e_lo, e_hi):
+    for e in tl.range(e_lo, e_hi, num_stages=1 if ISOLATE else None):  # the rare second walk: no ring
         n0 = origin + e * BLOCK_N
         n = n0 + offs_n
         if TMA:
@@ -218,7 +219,7 @@ def _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, stride_kn,
     rows stop at the last key / summary any query sees, so that a block reading past them gets zeros
     (v needs no zeroing); the rows it reads below that but past `limit` are keys and summaries of
     later queries, which the mask gives p = 0."""
-    for e in range(blk_lo, blk_hi):
+    for e in tl.range(blk_lo, blk_hi, num_stages=1 if ISOLATE else None):  # the rare second walk: no ring
         is_sum = e < nb_s
         ee = e - nb_s
         n0 = tl.where(is_sum, e * BLOCK_N, st_min + ee * BLOCK_N)
@@ -353,7 +354,7 @@ def _eva_fwd(
     qk_scale, q_sign,
     SLIDING: tl.constexpr, PACK_GQA: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PREC: tl.constexpr, NEG_Q: tl.constexpr, Q_REG: tl.constexpr, FUSE: tl.constexpr, TMA: tl.constexpr,
-    ISOLATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = n_row_blocks - 1 - tl.program_id(0)     # the longest rows first
     pid_bh = tl.program_id(1)
@@ -393,12 +394,6 @@ def _eva_fwd(
     blk_lo = (pid_s * nb) // NUM_SPLITS
     blk_hi = ((pid_s + 1) * nb) // NUM_SPLITS
 
-    row_off_l = h_row.to(tl.int64) * stride_lh + i_row.to(tl.int64) * stride_lm
-    if ISOLATE:  # (one program per tile; o and lse are the outputs) the tiles with a marked row
-        marked = tl.load(lse_ptr + b * stride_lb + row_off_l, mask=row_ok, other=0.0)
-        redo = tl.max((marked != marked).to(tl.int32), axis=0) != 0
-        row_ok = row_ok & redo                      # the others read and write nothing more
-
     row_off_q = h_row.to(tl.int64) * stride_qh + i_row.to(tl.int64) * stride_qm
     q_ptrs = q_ptr + b * stride_qb + row_off_q[:, None] + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
@@ -424,51 +419,26 @@ def _eva_fwd(
         sum_row0 = 0
     bias_base = bias_ptr + b * stride_bb + hkv * stride_bh
 
-    if ISOLATE:
-        # this tile's walk (every split's, merged as _eva_combine merges them, op for op, so that
-        # the rows no non-finite value reaches come out bitwise as the first launch wrote them)
-        m_c = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        den = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc_c = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        o = acc_c
-        lse = m_c
-        for s in range(0, NUM_SPLITS):
-            lo = (s * nb) // NUM_SPLITS
-            hi = tl.where(redo, ((s + 1) * nb) // NUM_SPLITS, lo)
-            acc, l_i, m_i = _walk(q, k_base, v_base, ks_base, vs_base, bias_base, lo, hi, nb_s, nb_s_full, nb_e,
-                                  e_a, e_b, st_min, c_hi, t_max, st_row, t_row, sc_row, kv_row0, sum_row0, b, hkv,
-                                  stride_kn, stride_vn, stride_ksn, stride_vsn, stride_bc, Nk, C, qk_scale,
-                                  offs_n, offs_d, mask_d, BIAS_MODE, EVEN_D, DOT_PREC, FUSE, TMA, True,
-                                  BLOCK_M, BLOCK_N, BLOCK_D)
-            o, lse = _normalize(acc, l_i, m_i)
-            m_new = tl.maximum(m_c, lse)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_c - m_use)
-            w = tl.exp(lse - m_use)
-            den = den * alpha + w
-            acc_c = acc_c * alpha[:, None] + w[:, None] * o
-            m_c = m_new
-        if NUM_SPLITS > 1:
-            seen = den > 0.0
-            den_safe = tl.where(seen, den, 1.0)
-            o = acc_c / den_safe[:, None]
-            lse = tl.where(seen, m_c + tl.log(den_safe), float("-inf"))
-    else:
-        acc, l_i, m_i = _walk(q, k_base, v_base, ks_base, vs_base, bias_base, blk_lo, blk_hi, nb_s, nb_s_full, nb_e,
-                              e_a, e_b, st_min, c_hi, t_max, st_row, t_row, sc_row, kv_row0, sum_row0, b, hkv,
-                              stride_kn, stride_vn, stride_ksn, stride_vsn, stride_bc, Nk, C, qk_scale,
-                              offs_n, offs_d, mask_d, BIAS_MODE, EVEN_D, DOT_PREC, FUSE, TMA, False,
+    acc, l_i, m_i = _walk(q, k_base, v_base, ks_base, vs_base, bias_base, blk_lo, blk_hi, nb_s, nb_s_full, nb_e,
+                          e_a, e_b, st_min, c_hi, t_max, st_row, t_row, sc_row, kv_row0, sum_row0, b, hkv,
+                          stride_kn, stride_vn, stride_ksn, stride_vsn, stride_bc, Nk, C, qk_scale,
+                          offs_n, offs_d, mask_d, BIAS_MODE, EVEN_D, DOT_PREC, FUSE, TMA, False,
+                          BLOCK_M, BLOCK_N, BLOCK_D)
+    if tl.max(tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), axis=1), axis=0) != 0:
+        # a non-finite accumulator (p = 0 times an inf may be in it): this tile's range again,
+        # isolating (module docstring); rows no such value reaches come out as they would clean
+        acc, l_i, m_i = _walk(q, k_base, v_base, ks_base, vs_base, bias_base, blk_lo, blk_hi, nb_s, nb_s_full,
+                              nb_e, e_a, e_b, st_min, c_hi, t_max, st_row, t_row, sc_row, kv_row0, sum_row0, b,
+                              hkv, stride_kn, stride_vn, stride_ksn, stride_vsn, stride_bc, Nk, C, qk_scale,
+                              offs_n, offs_d, mask_d, BIAS_MODE, EVEN_D, DOT_PREC, FUSE, TMA, True,
                               BLOCK_M, BLOCK_N, BLOCK_D)
-        o, lse = _normalize(acc, l_i, m_i)
-        # a non-finite accumulator row (p = 0 times an inf may be in it): NaN lse hands it to the
-        # ISOLATE launch
-        finite = tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), axis=1) == 0
-        lse = tl.where(finite, lse, float("nan"))
+    o, lse = _normalize(acc, l_i, m_i)
 
     split = pid_s.to(tl.int64)
     row_off_o = h_row.to(tl.int64) * stride_oh + i_row.to(tl.int64) * stride_om
     o_ptrs = o_ptr + split * stride_os + b * stride_ob + row_off_o[:, None] + offs_d[None, :]
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+    row_off_l = h_row.to(tl.int64) * stride_lh + i_row.to(tl.int64) * stride_lm
     tl.store(lse_ptr + split * stride_ls + b * stride_lb + row_off_l, lse, mask=row_ok)
 
 
@@ -490,10 +460,8 @@ def _eva_combine(
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     lp_ptrs = lp_ptr + offs_r
     op_ptrs = op_ptr + offs_r[:, None] * D + offs_d[None, :]
-    marked = tl.zeros([BLOCK_R], dtype=tl.int1)
     for _ in range(0, NUM_SPLITS):
         ls = tl.load(lp_ptrs, mask=row_ok, other=float("-inf"))
-        marked = marked | (ls != ls)  # a piece marked the row for the ISOLATE launch
         os_ = tl.load(op_ptrs, mask=mask, other=0.0)
         lp_ptrs += stride_ls
         op_ptrs += stride_ps
@@ -508,7 +476,6 @@ def _eva_combine(
     den_safe = tl.where(seen, den, 1.0)
     o = acc / den_safe[:, None]
     lse = tl.where(seen, m + tl.log(den_safe), float("-inf"))
-    lse = tl.where(marked, float("nan"), lse)
     i = offs_r % Nq
     bh = offs_r // Nq
     b = bh // H
@@ -547,12 +514,23 @@ def auto_splits(programs: int, n_blocks: int, sms: int, max_splits: int = 128) -
     return 1
 
 
-def _register_cap(cfg: dict) -> dict:
+SMEM_PER_SM = 227 * 1024  # shared memory one multiprocessor gives its programs (sm_80 / sm_90)
+MIN_REGISTER_CAP = 128  # what the tuned tiles' first walk needs at most without spilling
+
+
+def _register_cap(cfg: dict, block_m: int, block_n: int, block_d: int, itemsize: int) -> dict:
     """Launch options from config `maxnreg` (registers per thread: a lower cap lets more programs
-    share a multiprocessor); none when unset."""
+    share a multiprocessor). Unset: the cap that keeps as many programs per multiprocessor as the
+    first walk's shared memory (the k/v ring and the q tile) allows, at least MIN_REGISTER_CAP, since
+    ptxas sizes registers for the whole kernel and the isolating second walk would otherwise take them
+    (module docstring); none where the ring leaves room for only one program or two."""
     cap = cfg.get("maxnreg")
     if cap is None:
-        return {}
+        threads = int(cfg["num_warps"]) * 32
+        smem = (int(cfg["num_stages"]) * 2 * block_n + block_m) * block_d * itemsize  # at most
+        programs = min(max(1, SMEM_PER_SM // smem), 2048 // threads)
+        cap = min(255, 65536 // (programs * threads) // 8 * 8)
+        return {} if cap >= 255 else {"maxnreg": max(MIN_REGISTER_CAP, cap)}
     cap = int(cap)
     if not 24 <= cap <= 255 or cap % 8:
         raise ValueError(f"config maxnreg must be a multiple of 8 in [24, 255], got {cap}")
@@ -594,7 +572,8 @@ def plan(q, k, k_sum, *, chunk_size, window_size, sliding, q_offset, config):
         splits = auto_splits(programs, n_blocks, _sm_count(q.device))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PACK_GQA=pack, NUM_SPLITS=splits,
                 FUSE=bool(cfg.get("FUSE", False)), Q_REG=bool(cfg.get("QREG", False)),
-                TMA=bool(cfg.get("TMA", False)), launch=_register_cap(cfg),
+                TMA=bool(cfg.get("TMA", False)),
+                launch=_register_cap(cfg, block_m, block_n, block_d, q.element_size()),
                 rows=rows, n_row_blocks=n_row_blocks, num_warps=int(cfg["num_warps"]),
                 num_stages=int(cfg["num_stages"]))
 
@@ -714,10 +693,7 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sli
     programs = (geo["n_row_blocks"], B * (Hkv if geo["PACK_GQA"] else H))
     options = dict(num_warps=geo["num_warps"], num_stages=geo["num_stages"], **geo["launch"])
 
-    def fwd_call(tma: bool, isolate: bool = False) -> KernelCall:
-        """The first launch (one program per tile and split, partial outputs where split), or with
-        `isolate` the second (one per tile, walking every split, into o and lse)."""
-        s_o, s_l = ((0,) + o.stride()[:3], (0,) + lse.stride()) if isolate else (so, sl)
+    def fwd_call(tma: bool) -> KernelCall:
         scalars = (H, Hkv, G, Nq, Nk, Nc, D, C, W, q_offset, geo["rows"], geo["n_row_blocks"], splits,
                    q.stride(0), q.stride(1), q.stride(2),
                    k.stride(0), k.stride(1), k.stride(2),
@@ -725,20 +701,18 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sli
                    k_sum.stride(0), k_sum.stride(1), k_sum.stride(2),
                    v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
                    sb[0], sb[1], sb[2],
-                   s_o[0], s_o[1], s_o[2], s_o[3],
-                   s_l[0], s_l[1], s_l[2], s_l[3],
+                   so[0], so[1], so[2], so[3],
+                   sl[0], sl[1], sl[2], sl[3],
                    _qk_scale(scale), -1.0 if float(scale) < 0 else 1.0)
-        return KernelCall(_eva_fwd, programs + (1 if isolate else splits,), 8, scalars, dict(
+        return KernelCall(_eva_fwd, programs + (splits,), 8, scalars, dict(
             SLIDING=bool(sliding), PACK_GQA=geo["PACK_GQA"], BIAS_MODE=bias_mode, EVEN_D=D == geo["BLOCK_D"],
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NEG_Q=float(scale) < 0, Q_REG=geo["Q_REG"],
-            FUSE=geo["FUSE"], TMA=tma, ISOLATE=isolate, BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"],
+            FUSE=geo["FUSE"], TMA=tma, BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"],
             BLOCK_D=geo["BLOCK_D"]), options, fast=fast)
 
     fwd = fwd_call(False)
     tma = geo["TMA"]  # descriptors where this call's tensors take them (_tma_operands), else pointers
     fwd_tma = fwd_call(True) if tma else None
-    # the tiles a non-finite value reached, again (module docstring)
-    isolate, isolate_tma = fwd_call(False, isolate=True), (fwd_call(True, isolate=True) if tma else None)
     combine = None
     if splits > 1:
         R = B * H * Nq
@@ -767,13 +741,8 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sli
             fwd_tma(q, *descs, bias, o_dst, l_dst)
         if combine is not None:
             combine(o_dst, l_dst, o, lse)
-        if descs is None:
-            isolate(q, k, v, k_sum, v_sum, bias, o, lse)
-        else:
-            isolate_tma(q, *descs, bias, o, lse)
 
-    # what it launches (tests)
-    enqueue.calls = tuple(c for c in (fwd, fwd_tma, combine, isolate, isolate_tma) if c is not None)
+    enqueue.calls = tuple(c for c in (fwd, fwd_tma, combine) if c is not None)  # what it launches (tests)
     if not (config and config.get("GLUON")):
         return enqueue
     from flashswitch.kernels_triton import eva_attention_gluon as glu

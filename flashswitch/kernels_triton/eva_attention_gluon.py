@@ -17,13 +17,9 @@ emit on sm_90:
 k, v and the summaries are read through [B * Hkv, rows, D] descriptors whose rows stop at the last
 key and the last summary any query sees: a block reading past them gets zeros, and the rows it reads
 below that but past its limit (keys and summaries of later queries) are masked out of the logits,
-so p = 0 there, and p.v would turn an inf / NaN of v at such a key into NaN (0 * inf). So the kernel
-runs twice (`launch`): the first launch marks a row whose o ends non-finite with lse = NaN; the
-second (ISOLATE) walks again only the tiles holding a marked row, and there each consumer warpgroup
-copies a masked block's v to a slot of its own with its inf / NaN entries zeroed and reads p.v from
-there, making NaN only the rows whose p reaches such a key (`_isolate_nonfinite`): a non-finite input
-reaches only the queries that see it, and finite inputs pay one check per tile, not one per masked
-block. Fast path only: fp16/bf16, contiguous q/k/v/summaries, D a
+so p = 0 there. In a masked block each consumer warpgroup first copies v to a slot of its own with
+its inf / NaN entries zeroed and reads p.v from there, making NaN only the rows whose p reaches such
+a key (`_isolate_nonfinite`): a non-finite input reaches only the queries that see it. Fast path only: fp16/bf16, contiguous q/k/v/summaries, D a
 power of two in [16, 128], no PACK_GQA, no key splits, no tensor bias, scale >= 0 (`supports`);
 other problems take the Triton kernel.
 """
@@ -131,7 +127,7 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
               qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
               stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
               SLIDING: gl.constexpr, LOG_COUNT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, WG: gl.constexpr, ISOLATE: gl.constexpr):
+              NUM_STAGES: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG (rows WG * 64 .. + 64 of the tile, its own partition, so that the two
     drift apart and one's softmax runs under the other's wgmma): block 0's logits and softmax, then
     per block e (FlashAttention-3's order) issue q.k of e + 1; rescale o; issue o += p[e] v[e]; wait
@@ -176,9 +172,8 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
                               use_acc=False, is_async=True)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
         slot = stage
-        if ISOLATE:
-            if not full:
-                slot, o = _isolate_nonfinite(v_smem, stage, fix, p, o, v_layout, col_s, row_o, BLOCK_N, D)
+        if not full:
+            slot, o = _isolate_nonfinite(v_smem, stage, fix, p, o, v_layout, col_s, row_o, BLOCK_N, D)
         o_acc = warpgroup_mma(p16, v_smem.index(slot).reshape([BLOCK_N, D]), o, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_acc])
         p, alpha, m_i, l_i, full = _softmax_block(s, m_i, l_i, e + 1, True, nb_s, nb_s_full, e_a, e_b, st_min,
@@ -191,9 +186,8 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
     last = gl.maximum(nb - 1, 0)
     o = o * gl.convert_layout(alpha, row_o)[:, None]
     slot = last % NUM_STAGES
-    if ISOLATE:
-        if not full:
-            slot, o = _isolate_nonfinite(v_smem, slot, fix, p, o, v_layout, col_s, row_o, BLOCK_N, D)
+    if not full:
+        slot, o = _isolate_nonfinite(v_smem, slot, fix, p, o, v_layout, col_s, row_o, BLOCK_N, D)
     o_acc = warpgroup_mma(p16, v_smem.index(slot).reshape([BLOCK_N, D]), o, is_async=True)
     o = warpgroup_mma_wait(0, deps=[o_acc])
 
@@ -201,12 +195,6 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
     l_safe = gl.where(seen, l_i, 1.0)
     out = o / gl.convert_layout(l_safe, row_o)[:, None]
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    keep = offs_r < Nq
-    if ISOLATE:
-        keep = keep & (nb > 0)  # a tile without a marked row keeps what the first launch wrote
-    else:  # a non-finite row of o: NaN lse hands its tile to the ISOLATE launch
-        finite = gl.max(gl.where(gl.abs(o) < float("inf"), 0, 1), axis=1) == 0
-        lse = gl.where(gl.convert_layout(finite, row_s), lse, float("nan"))
     # through shared memory into a row-major layout, so that each thread stores 16 contiguous bytes
     st_layout: gl.constexpr = v_layout
     out = gl.convert_layout(out.to(dtype), st_layout)
@@ -215,9 +203,9 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
     o_ptrs = (o_ptr + b64 * stride_ob + h.to(gl.int64) * stride_oh
               + (rows_o.to(gl.int64) * stride_om)[:, None] + cols[None, :])
-    gl.store(o_ptrs, out, mask=(gl.convert_layout(keep, gl.SliceLayout(1, st_layout)))[:, None])
+    gl.store(o_ptrs, out, mask=(rows_o < Nq)[:, None])
     l_ptrs = lse_ptr + b64 * stride_lb + h.to(gl.int64) * stride_lh + offs_r.to(gl.int64) * stride_lm
-    gl.store(l_ptrs, lse, mask=keep)
+    gl.store(l_ptrs, lse, mask=offs_r < Nq)
 
 
 @gluon.jit
@@ -227,7 +215,7 @@ def _eva_fwd_gluon(
     stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
     qk_scale,
     SLIDING: gl.constexpr, LOG_COUNT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr, ISOLATE: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
 ):
     BM: gl.constexpr = BLOCK_M
     BLOCK_BYTES: gl.constexpr = BLOCK_N * D * 2
@@ -246,16 +234,12 @@ def _eva_fwd_gluon(
     t_max = q_offset + r_last
     st_min, c_hi, nb_s_full, nb_s, nb_e, e_a, e_b = _tile_blocks(t_min, t_max, C, W, Nc, SLIDING, BLOCK_N)
     nb = nb_s + nb_e
-    if ISOLATE:  # only the tiles with a row the first launch marked (lse NaN); the others load nothing
-        rows = r_first + gl.arange(0, BM, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        marked = gl.load(lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-                         + rows.to(gl.int64) * stride_lm, mask=rows < Nq, other=0.0)
-        nb = gl.where(gl.max((marked != marked).to(gl.int32), axis=0) != 0, nb, 0)
+
 
     q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, D], k_desc.layout)
-    # v: the ring's stages, then (ISOLATE) one slot per consumer warpgroup for a masked block's sanitized copy
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES + 2 * ISOLATE, 1, BLOCK_N, D], v_desc.layout)
+    # v: the ring's stages, then one slot per consumer warpgroup for a masked block's sanitized copy
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES + 2, 1, BLOCK_N, D], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -263,19 +247,19 @@ def _eva_fwd_gluon(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
     mbarrier.init(q_bar, count=1)
-    mbarrier.expect(q_bar, BM * D * 2, pred=nb > 0)
-    tma.async_copy_global_to_shared(q_desc, [pid_bh * Nq + r_first, 0], q_bar, q_smem, pred=nb > 0)
-    mbarrier.wait(q_bar, 0, pred=nb > 0)
+    mbarrier.expect(q_bar, BM * D * 2)
+    tma.async_copy_global_to_shared(q_desc, [pid_bh * Nq + r_first, 0], q_bar, q_smem)
+    mbarrier.wait(q_bar, 0)
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
                      qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                      stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, 0, ISOLATE)),
+                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, 0)),
         (_consumer, (q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
                      qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                      stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, 1, ISOLATE)),
+                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, 1)),
         (_producer, (k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, b * Hkv + hkv, nb, nb_s,
                      st_min, BLOCK_N, NUM_STAGES, BLOCK_BYTES)),
     ], [4, 1], [240, 24])
@@ -353,13 +337,13 @@ def launch(q, k, v, k_sum, v_sum, o, lse, *, chunk_size, window_size, sliding, s
     n_keys = t_last + 1
     n_sums = min(_window_start(t_last, C, W, sliding) // C, Nc)
     grid = (n_row_blocks, B * H)
-    args = (_row_desc(q, BLOCK_M.value), _clipped_desc(k, n_keys, block_n), _clipped_desc(v, n_keys, block_n),
-            _clipped_desc(k_sum, n_sums, block_n), _clipped_desc(v_sum, n_sums, block_n),
-            o, lse,
-            H, Hkv, H // Hkv, Nq, Nk, Nc, C, W, int(q_offset), n_row_blocks,
-            o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
-            _qk_scale(scale))
-    options = dict(SLIDING=bool(sliding), LOG_COUNT=bool(log_count), D=D, BLOCK_N=block_n, NUM_STAGES=stages,
-                   num_warps=4, **({"maxnreg": int(config["maxnreg"])} if config.get("maxnreg") else {}))
-    for isolate in (False, True):  # the walk, then its marked tiles again (module docstring)
-        _eva_fwd_gluon[grid](*args, ISOLATE=isolate, **options)
+    _eva_fwd_gluon[grid](
+        _row_desc(q, BLOCK_M.value), _clipped_desc(k, n_keys, block_n), _clipped_desc(v, n_keys, block_n),
+        _clipped_desc(k_sum, n_sums, block_n), _clipped_desc(v_sum, n_sums, block_n),
+        o, lse,
+        H, Hkv, H // Hkv, Nq, Nk, Nc, C, W, int(q_offset), n_row_blocks,
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        _qk_scale(scale),
+        SLIDING=bool(sliding), LOG_COUNT=bool(log_count), D=D, BLOCK_N=block_n, NUM_STAGES=stages,
+        num_warps=4, **({"maxnreg": int(config["maxnreg"])} if config.get("maxnreg") else {}),
+    )
