@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import bench_ms, env_info, now, results_dir  # noqa: E402
+from common import bench_ms, env_info, provenance, results_dir  # noqa: E402
 
 COPY_BYTES = 2 << 30  # 2 GiB source buffer: far beyond L2
 MATMUL_N = 8192
@@ -31,7 +31,7 @@ def measure() -> dict:
     a = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device="cuda")
     mm_ms = bench_ms(lambda: torch.mm(a, b), warmup=25, rep=200)
-    return {**env_info(), "created": now(),
+    return {**env_info(), **provenance(),
             "copy_bytes": moved, "copy_ms": copy_ms, "copy_GBps": moved / (copy_ms * 1e-3) / 1e9,
             "matmul_n": MATMUL_N, "matmul_ms": mm_ms,
             "bf16_matmul_TFLOPs": 2 * MATMUL_N ** 3 / (mm_ms * 1e-3) / 1e12}

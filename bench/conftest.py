@@ -18,6 +18,12 @@ def pytest_collect_file(file_path, parent):
     return None
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-benchmark, which may be missing
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    from common import provenance
+    output_json.update(provenance())
+
+
 def pytest_collection_modifyitems(config, items):
     reason = None
     if not torch.cuda.is_available():

@@ -24,6 +24,7 @@ for p in (str(ROOT), str(BENCH_DIR)):
 
 import torch  # noqa: E402
 
+from common import provenance, provenance_line  # noqa: E402,F401  (the scripts use E.provenance)
 from flashswitch.nn import models  # noqa: E402
 from paper_attention import to_paper_style  # noqa: E402
 
@@ -244,7 +245,3 @@ def free_memory(device) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
-
-def now() -> str:
-    import datetime
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import distributed_parity as P  # noqa: E402
+from common import provenance, provenance_line  # noqa: E402
 from flashswitch.autotune import store  # noqa: E402
 from flashswitch.nn.models import build_model  # noqa: E402
 from flashswitch.nn.parallel import TrainingLoss, fully_shard_model  # noqa: E402
@@ -221,7 +222,8 @@ def markdown(result: dict) -> str:
              f"median of {cfg['steps']} steps after {cfg['warmup']} warm-up steps (forward + backward + "
              f"optimizer, {'CUDA events' if env['device'] != 'cpu' else 'wall clock'}); 'single' runs on "
              f"every GPU at once, each its own copy. torch {env['torch']}, triton {env['triton']}, NCCL_NVLS_ENABLE="
-             f"{env['NCCL_NVLS_ENABLE']}. 'vs one GPU': tokens/s over GPUs x the single-GPU tokens/s.", "",
+             f"{env['NCCL_NVLS_ENABLE']}; {provenance_line(result)}. 'vs one GPU': tokens/s over GPUs x the "
+             "single-GPU tokens/s.", "",
              "| mode | GPUs | ms/step | tokens/s | tokens/s per GPU | vs one GPU | peak GiB | final loss |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -273,7 +275,7 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 parity check compares fp32 math
         torch.backends.cudnn.allow_tf32 = False
-    result = {"env": environment(device, world),
+    result = {**provenance(), "env": environment(device, world),
               "config": {k: getattr(args, k) for k in ("size", "variant", "attention", "batch", "steps", "warmup",
                                                          "lr", "no_autocast", "cpu_smoke")},
               "parity": {}, "throughput": []}

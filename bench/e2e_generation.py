@@ -1,8 +1,8 @@
 """End-to-end generation: a Llama-style decoder with random weights (bf16, flashswitch.nn.llama) decoding
 with EVA attention on a compressed cache (EvaAttention + EvaCache) against the same model with exact
-attention (SDPA, flash backend) on a preallocated standard KV cache (StaticKVCache). Both decode with
-one CUDA-graph-captured step per (method, batch), replayed for every token; positions and lengths live
-on device tensors.
+attention (SDPA) on a preallocated standard KV cache (StaticKVCache). Both decode with one
+CUDA-graph-captured step per (method, batch), replayed for every token; positions and lengths live on
+device tensors.
 
     python bench/e2e_generation.py [--sizes smollm2-135m llama-1b] [--contexts 4096 16384 32768]
         [--methods sdpa eva-sliding eva-block] [--batches 1 16 max] [--steps 32] [--budget-gb 120]
@@ -20,13 +20,18 @@ Per (size, method, context):
            ms per step and tokens/s = B * steps / time. KV bytes per sequence: the per-layer caches'
            allocation (EvaCache.nbytes; k, v and lengths of the StaticKVCache, sized prompt + decoded
            tokens) divided by B. Peak memory: torch.cuda.max_memory_allocated() over the case (weights,
-           the batch-1 cache it copies from, the batch-B cache, the graph's pool).
+           the batch-1 cache it copies from, the batch-B cache, the graph's pool). KV read GB/s: the
+           keys and values a step must read (every layer, every sequence; exact attention: each key up
+           to the new token's position, EVA: the exact keys and summaries its query sees), averaged
+           over the timed steps, per ms / step; % of copy: of the copy bandwidth in ceilings.json of
+           the results folder (bench/ceilings.py; else a nominal one).
   max batch the budget (set as the process's memory fraction, so exceeding it is an OOM) minus what is
            allocated, divided by the KV bytes plus an activation estimate per sequence; then allocated
            and run, backing off by 15% on OOM.
-Methods: sdpa (exact; prefill: SDPA flash backend; decode: the flash kernel's variable-length entry
-with seqused_k, since SDPA's flash path takes no lengths; "masked" SDPA if that kernel is unavailable),
-eva-sliding (W=256, C=32), eva-block (W=2048, C=16).
+Methods: sdpa (exact; prefill: SDPA flash backend; decode: the first of EXACT_DECODE that runs here,
+each reading every kv head once per step: "gqa", SDPA with enable_gqa and a key bias per sequence on
+cuDNN's attention, else "flash", the flash kernel's variable-length entry with seqused_k, else
+"masked" SDPA), eva-sliding (W=256, C=32), eva-block (W=2048, C=16).
 
 Results merge into <out>/e2e_generation.json (a rerun replaces the rows of the cases it ran and keeps
 the others), then e2e_generation.md, e2e_generation_throughput.png (tokens/s vs batch) and
@@ -49,10 +54,15 @@ for p in (BENCH_DIR, BENCH_DIR.parent):
 
 import torch  # noqa: E402
 
-from flashswitch.nn.llama import LLAMA_SHAPES, LlamaLM, StaticKVCache, macs_per_token  # noqa: E402
+from common import provenance, provenance_line  # noqa: E402
+from flashswitch.nn.llama import LLAMA_SHAPES, LlamaLM, StaticKVCache, keys_seen, macs_per_token  # noqa: E402
 
 NAME = "e2e_generation"
 DEVICE = "cuda"
+DTYPE = torch.bfloat16
+# the exact baseline's decode kernels, fastest first on the H200 (cuDNN's "gqa" about twice flash's rate
+# at large batch, level at batch 16): the first that runs here decodes the sdpa method
+EXACT_DECODE = ("gqa", "flash")
 METHODS = {
     "sdpa": dict(attention="sdpa"),
     "eva-sliding": dict(attention="eva", chunk_size=32, window_size=256, window="sliding"),
@@ -101,6 +111,8 @@ def activation_bytes_per_seq(cfg, attention: str, cache) -> int:
         attn = 4 * 4 * Hkv * (cache.num_summaries + cache.ring_size)
     elif cache.decode == "masked":
         attn = (1 + 4) * (H // Hkv) * cache.max_seq_len
+    elif cache.decode == "gqa":
+        attn = (1 + 4 + e) * cache.max_seq_len  # key mask, fp32 bias, its 16-bit copy
     else:
         attn = 0
     return 2 * (logits + layer + attn)
@@ -108,6 +120,19 @@ def activation_bytes_per_seq(cfg, attention: str, cache) -> int:
 
 def max_batch_estimate(free_bytes: int, kv_per_seq: float, act_per_seq: float) -> int:
     return max(1, int(free_bytes // (kv_per_seq + act_per_seq)))
+
+
+def kv_read_bytes(cfg, settings: dict, positions, batch: int, itemsize: int) -> float:
+    """Bytes of keys and values one decode step must read, every layer and sequence, averaged over steps
+    whose new token sits at `positions`: exact attention each key up to and including that position,
+    EVA the exact keys and summaries its query sees (llama.keys_seen)."""
+    keys = keys_seen(positions, **settings).mean()
+    return cfg.num_layers * batch * cfg.num_kv_heads * 2 * cfg.head_dim * itemsize * float(keys)
+
+
+def timed_positions(P: int, steps: int) -> range:
+    """The new token's position in each timed replay: the prompt, the eager step, the warm replays."""
+    return range(P + 1 + WARM_REPLAYS, P + 1 + WARM_REPLAYS + steps)
 
 
 # ---------------------------------------------------------------- results file
@@ -126,7 +151,7 @@ def merge(path: Path, rows: list[dict], macs: list[dict]) -> dict:
     old_macs = {(r["size"], r["context"], r["method"]): r for r in data.get("macs", [])}
     old_macs.update({(r["size"], r["context"], r["method"]): r for r in macs})
     data.update(name=NAME, rows=sorted(old.values(), key=_sort_key),
-                macs=[old_macs[k] for k in sorted(old_macs)])
+                macs=[old_macs[k] for k in sorted(old_macs)], **provenance())
     return data
 
 
@@ -147,7 +172,10 @@ def write_tables(data: dict, folder: Path) -> Path:
     pre = {(r["size"], r["context"], r["method"]): r for r in ran if r["kind"] == "prefill"}
     dec = {(r["size"], r["context"], r["method"], r["batch_label"]): r for r in ran if r["kind"] == "decode"}
     env = next((r for r in rows if r.get("device")), {})
+    commits = sorted({r.get("commit") or "unknown" for r in rows})
     lines = [f"# End-to-end generation on {env.get('device', '?')}", "",
+             f"Last written: {provenance_line(data)}" +
+             (f"; the rows come from commits {', '.join(commits)}" if len(commits) > 1 else "") + ".", "",
              f"`bench/e2e_generation.py`: Llama-style decoders with random weights (bf16), torch "
              f"{env.get('torch', '?')}, triton {env.get('triton', '?')}. Methods: " +
              ", ".join(f"`{m}` ({', '.join(f'{k}={v}' for k, v in kw.items() if k != 'attention') or 'exact'})"
@@ -161,11 +189,16 @@ def write_tables(data: dict, folder: Path) -> Path:
         lines.append(f"| {size} | {n} | {m} | {_fmt(r.get('ms'), '.1f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
                      f"{_fmt(sp, '.2f')}x | {_fmt(ideal.get((size, n, m)), '.2f')}x | "
                      f"{_fmt(r.get('peak_bytes') and r['peak_bytes'] / GiB, '.1f')} |")
+    ceil = data.get("ceilings") or {}
     lines += ["", "## Decode (one CUDA-graph-captured step per token)", "",
               "GPU ops / step: the kernels, copies and fills one step issues (torch profiler over its first, "
-              "eager run), which each replay runs back to back.", "",
+              "eager run), which each replay runs back to back. KV read GB/s: the keys and values a step must "
+              "read (every layer and sequence; exact: each key up to the new token, EVA: the exact keys and "
+              "summaries its query sees) per step time; % of copy: of "
+              f"{_fmt(ceil.get('copy_GBps'), '.0f', '?')} GB/s ({ceil.get('source', 'not recorded')}).", "",
               "| size | context | method | decode kernel | batch | ms / step | tokens/s | vs sdpa (same batch label) | "
-              "KV MiB / sequence | peak GiB | GPU ops / step |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "KV read GB/s | % of copy | KV MiB / sequence | peak GiB | GPU ops / step |",
+              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (size, n, m, label), r in dec.items():
         base = dec.get((size, n, "sdpa", label))
         sp = r["tokens_per_s"] / base["tokens_per_s"] if base and r.get("tokens_per_s") and base.get(
@@ -173,12 +206,16 @@ def write_tables(data: dict, folder: Path) -> Path:
         batch = f"{r['batch']} (max)" if label == "max" else str(r["batch"])
         lines.append(f"| {size} | {n} | {m} | {r.get('decode_kernel', '?')} | {batch} | {_fmt(r.get('ms'), '.2f')} | "
                      f"{_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(sp, '.2f')}x | "
+                     f"{_fmt(r.get('kv_read_GBps'), ',.0f')} | {_fmt(r.get('kv_read_pct_of_copy'), '.1f')} | "
                      f"{_fmt(r.get('kv_bytes_per_seq') and r['kv_bytes_per_seq'] / MiB, ',.1f')} | "
                      f"{_fmt(r.get('peak_bytes') and r['peak_bytes'] / GiB, '.1f')} | "
                      f"{_fmt(r.get('kernels_per_step'), 'd')} |")
-    if any(r.get("method") == "sdpa" and r.get("decode_kernel") == "masked" for r in dec.values()):
-        lines += ["", "The `sdpa` rows decoded with masked SDPA (flash attention's variable-length kernel "
-                  "was unavailable in that run): not the flash baseline the comparison is meant against."]
+    weak = sorted({r.get("decode_kernel", "?") for r in dec.values()
+                   if r.get("method") == "sdpa" and r.get("decode_kernel") != EXACT_DECODE[0]})
+    if weak:
+        lines += ["", f"Some `sdpa` rows decoded with {' / '.join(f'`{k}`' for k in weak)}, not with "
+                  f"`{EXACT_DECODE[0]}` (SDPA with enable_gqa on cuDNN's attention, the fastest exact decode "
+                  "measured here): their 'vs sdpa' ratios are against a weaker baseline."]
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines += ["", "Cases that did not run: " + "; ".join(
@@ -295,21 +332,36 @@ def free_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def flash_decode_works() -> bool:
-    """Whether the flash variable-length decode runs here and equals the masked SDPA decode."""
-    try:
-        g = torch.Generator(device=DEVICE).manual_seed(0)
-        caches = [StaticKVCache(3, 2, 64, max_seq_len=80, dtype=torch.bfloat16, device=DEVICE, decode=d)
-                  for d in ("flash", "masked")]
-        q, k, v = (torch.randn(3, h, 70, 64, device=DEVICE, dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
-        outs = []
-        for c in caches:
-            c.prefill(q[:, :, :69], k[:, :, :69], v[:, :, :69], lengths=torch.tensor([69, 40, 1], device=DEVICE))
-            outs.append(c.step(q[:, :, 69:], k[:, :, 69:], v[:, :, 69:]).float())
-        return bool((outs[0] - outs[1]).abs().max() < 2e-2)
-    except Exception as err:  # an older torch without seqused_k, no flash kernel for this GPU, ...
-        print(f"flash decode unavailable ({str(err).splitlines()[0]}); the sdpa method decodes with masked SDPA")
-        return False
+def decode_context(cache):
+    """SDPA held to cuDNN's attention for a "gqa" step: where cuDNN cannot take it, the step fails
+    instead of falling back to the math backend, which copies every kv head G times."""
+    from contextlib import nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    gqa = isinstance(cache, StaticKVCache) and cache.decode == "gqa"
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if gqa else nullcontext()
+
+
+def exact_decode_kernel() -> str:
+    """The first of EXACT_DECODE that runs here and equals the masked SDPA decode on a small GQA
+    problem with ragged lengths; "masked" when none does."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v = (torch.randn(3, h, 70, 64, device=DEVICE, dtype=DTYPE, generator=g) for h in (8, 2, 2))
+
+    def decode(kernel):
+        cache = StaticKVCache(3, 2, 64, max_seq_len=80, dtype=DTYPE, device=DEVICE, decode=kernel)
+        cache.prefill(q[:, :, :69], k[:, :, :69], v[:, :, :69], lengths=torch.tensor([69, 40, 1], device=DEVICE))
+        with decode_context(cache):
+            return cache.step(q[:, :, 69:], k[:, :, 69:], v[:, :, 69:]).float()
+
+    want = decode("masked")
+    for kernel in EXACT_DECODE:
+        try:
+            if (decode(kernel) - want).abs().max() < 2e-2:
+                return kernel
+            print(f"{kernel} decode differs from masked SDPA; not used")
+        except Exception as err:  # no cuDNN attention, an older torch without seqused_k, ...
+            print(f"{kernel} decode unavailable ({(str(err).splitlines() or [type(err).__name__])[0]})")
+    return "masked"
 
 
 def copy_state(dst, src) -> None:
@@ -403,7 +455,7 @@ def run_decode(model, src_caches, first_token, B: int, P: int, max_len: int, ste
         tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
         return logits
 
-    with torch.no_grad():
+    with torch.no_grad(), decode_context(caches[0]):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -469,7 +521,14 @@ def attempt(fn):
     return None, text
 
 
-def run_context(model, method, attention, P, args, budget, base, t_start) -> list[dict]:
+def kv_read(cfg, method: str, P: int, steps: int, row: dict, copy_GBps: float) -> dict:
+    """A decode row's KV read bytes per step, GB/s and % of the copy bandwidth."""
+    nbytes = kv_read_bytes(cfg, METHODS[method], timed_positions(P, steps), row["batch"], DTYPE.itemsize)
+    gbps = nbytes / (row["ms"] * 1e-3) / 1e9
+    return {"kv_read_bytes_per_step": nbytes, "kv_read_GBps": gbps, "kv_read_pct_of_copy": 100 * gbps / copy_GBps}
+
+
+def run_context(model, method, attention, P, args, budget, base, t_start, copy_GBps) -> list[dict]:
     """The prefill and every decode batch of one (size, method, context)."""
     max_len = P + 1 + WARM_REPLAYS + args.steps
     out, err = attempt(lambda: run_prefill(model, method, P, max_len, args.reps, args.seed))
@@ -489,10 +548,12 @@ def run_context(model, method, attention, P, args, budget, base, t_start) -> lis
             print(f"{base['size']} {method} P={P} batch {label}: failed: {err}", flush=True)
             rows.append({**base, "kind": "decode", "batch_label": label, "error": err})
             continue
+        r.update(kv_read(model.cfg, method, P, args.steps, r, copy_GBps))
         rows.append({**base, **r, "batch_label": label})
         ok = r["finite"] and r["lengths_ok"]
         print(f"{'':36s} decode B={r['batch']:5d} {r['ms']:7.2f} ms/step {r['tokens_per_s']:10.0f} tok/s  KV "
-              f"{r['kv_bytes_per_seq'] / MiB:8.1f} MiB/seq  peak {r['peak_bytes'] / GiB:6.1f} GiB"
+              f"{r['kv_bytes_per_seq'] / MiB:8.1f} MiB/seq  read {r['kv_read_GBps']:6.0f} GB/s "
+              f"({r['kv_read_pct_of_copy']:.0f}% of copy)  peak {r['peak_bytes'] / GiB:6.1f} GiB"
               f"{'' if ok else '  CHECK FAILED'}   [{time.time() - t_start:5.0f} s]", flush=True)
         free_memory()
     del src, first
@@ -500,30 +561,30 @@ def run_context(model, method, attention, P, args, budget, base, t_start) -> lis
     return rows
 
 
-def run(args, save) -> list[dict]:
+def run(args, save, copy_GBps: float) -> list[dict]:
     """Every case of `args`; `save(rows)` is called with the rows so far after each (size, method,
     context), so a run cut short keeps what it finished."""
-    from common import env_info, now
+    from common import env_info
     total = torch.cuda.get_device_properties(0).total_memory
     budget = min(int(args.budget_gb * 1e9), total)
     torch.cuda.set_per_process_memory_fraction(budget / total)
     env = env_info()
-    flash = flash_decode_works() if "sdpa" in args.methods else False
+    exact = exact_decode_kernel() if "sdpa" in args.methods else None
     rows = []
     t_start = time.time()
     for size in args.sizes:
         cfg = LLAMA_SHAPES[size]
-        model = LlamaLM(cfg, device=DEVICE, dtype=torch.bfloat16, seed=args.seed)
+        model = LlamaLM(cfg, device=DEVICE, dtype=DTYPE, seed=args.seed)
         for method in args.methods:
             kw = dict(METHODS[method])
             attention = kw.pop("attention")
             if attention == "sdpa":
-                kw["decode"] = "flash" if flash else "masked"
+                kw["decode"] = exact
             model.set_attention(attention, **kw)
             for P in args.contexts:
                 base = {"size": size, "method": method, "context": P, "settings": METHODS[method],
-                        "decode_kernel": kw.get("decode", "eva"), **env, "created": now()}
-                rows += run_context(model, method, attention, P, args, budget, base, t_start)
+                        "decode_kernel": kw.get("decode", "eva"), **env, **provenance()}
+                rows += run_context(model, method, attention, P, args, budget, base, t_start, copy_GBps)
                 save(rows)
         del model
         free_memory()
@@ -560,7 +621,7 @@ def main(argv=None) -> int:
     print_macs(macs)
     if args.macs_only:
         return 0
-    from common import RESULTS, results_dir
+    from common import RESULTS, load_ceilings, results_dir
     if args.plot_only:  # the given folder, else every results folder that has this benchmark's JSON
         paths = [args.out / f"{NAME}.json"] if args.out else sorted(RESULTS.glob(f"*/{NAME}.json"))
         for path in paths:
@@ -573,15 +634,17 @@ def main(argv=None) -> int:
     folder = args.out or results_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{NAME}.json"
+    ceilings = load_ceilings(folder)
 
     def save(rows):
         data = merge(path, rows, macs)
+        data["ceilings"] = {k: ceilings[k] for k in ("copy_GBps", "source")}
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=1) + "\n")
         tmp.replace(path)
         return data
 
-    rows = run(args, save)
+    rows = run(args, save, ceilings["copy_GBps"])
     data = save(rows)
     print(f"wrote {path}")
     for p in render(data, folder):

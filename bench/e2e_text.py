@@ -178,7 +178,7 @@ def train_variant(variant: str, train: torch.Tensor, val: torch.Tensor, args, de
             "dropout": model.config.dropout, "params": model.num_parameters(), "amp": str(amp),
             "final_train_loss": final["train_loss"], "final_val_loss": final["val_loss"],
             "best_val_loss": min(e["val_loss"] for e in log), "ms_per_step": 1e3 * train_s / max(step, 1),
-            "train_s": train_s, "log": log, **E.env_info(device), "created": E.now()}
+            "train_s": train_s, "log": log, **E.env_info(device), **E.provenance()}
 
 
 # ---------------------------------------------------------------- table and plot
@@ -191,7 +191,8 @@ def markdown(data: dict) -> str:
     runs = _runs(data)
     corpus = data.get("corpus", {})
     out = [f"# Real-text run ({data.get('device', '?')})", "",
-           f"Corpus: {corpus.get('source', '?')}, {corpus.get('train_bytes', 0) / 1e6:.2f} MB train / "
+           f"Last run: {E.provenance_line(data)}. Corpus: {corpus.get('source', '?')}, "
+           f"{corpus.get('train_bytes', 0) / 1e6:.2f} MB train / "
            f"{corpus.get('val_bytes', 0) / 1e6:.2f} MB validation bytes (the last {corpus.get('val_fraction')} of "
            "every text), byte tokens. Losses in nats per byte (bits per byte = nats / ln 2). Command: "
            "`bench/e2e_text.py --help`.", "",
@@ -296,7 +297,7 @@ def main(argv=None) -> int:
         print(markdown({"runs": runs}))
         print("a CPU run: not written (--out DIR keeps it)")
         return 0
-    header = {**E.env_info(device), "created": E.now(),
+    header = {**E.env_info(device), **E.provenance(),
               "corpus": {"source": source, "train_bytes": len(train_b), "val_bytes": len(val_b),
                          "val_fraction": args.val_fraction}}
     data = E.merge_json(folder / f"{NAME}.json", {"runs": runs}, {"runs": ("size", "variant")}, header)

@@ -255,8 +255,8 @@ def _graph_cells(r: dict, dense) -> str:
 def markdown(data: dict) -> str:
     macs, mrows, lrows = data.get("macs", []), data.get("models", []), data.get("layers", [])
     out = [f"# End-to-end training speed ({data.get('device', '?')})", "",
-           f"torch {data.get('torch')}, triton {data.get('triton')}, CUDA {data.get('cuda')}; last run "
-           f"{data.get('created', '?')}. Command and what each column means: `bench/e2e_training.py --help`.", ""]
+           f"torch {data.get('torch')}, triton {data.get('triton')}, CUDA {data.get('cuda')}; last run: "
+           f"{E.provenance_line(data)}. Command and what each column means: `bench/e2e_training.py --help`.", ""]
     if macs:
         out += ["## MACs per token (forward) and the speedup over dense that MAC-proportional kernels reach", "",
                 "| size | T | variant | MMAC/token | attention MMAC/token | ideal speedup | attention ideal speedup |",
@@ -411,7 +411,8 @@ def main(argv=None) -> int:
         sections["layers"] = layer_rows(args, device)
         sections["macs"] += [r for r in mac_rows([args.layer_size], args.layer_seq_lens)
                              if r["size"] not in args.sizes or r["seq_len"] not in args.seq_lens]
-    header = {**E.env_info(device), "amp": str(E.amp_dtype(device) or "none (fp32)").replace("torch.", ""), "created": E.now()}
+    header = {**E.env_info(device), "amp": str(E.amp_dtype(device) or "none (fp32)").replace("torch.", ""),
+              **E.provenance()}
     if folder is None:
         print(markdown({**header, **sections}))
         print("a CPU run: not written (--out DIR keeps it)")

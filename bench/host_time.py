@@ -35,7 +35,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import backend_usable, device_name, env_info, graph_ms, now, results_dir  # noqa: E402
+from common import (backend_usable, device_name, env_info, graph_ms, provenance, provenance_line,  # noqa: E402
+                    results_dir)
 import flashswitch  # noqa: E402
 from flashswitch import registry  # noqa: E402
 from flashswitch.kernels_triton.kernel_call import normal_launches  # noqa: E402
@@ -228,11 +229,11 @@ def main() -> None:
         return
     folder = args.out or results_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    meta = {**env_info(), "created": now(), "calls": args.calls, "stub": stub, "fast_launch": fast, "dtype": dtype,
+    meta = {**env_info(), **provenance(), "calls": args.calls, "stub": stub, "fast_launch": fast, "dtype": dtype,
             "device_name": device_name()}
     (folder / "host_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# Host time per call ({meta['device']}, {dtype}{', Triton launches stubbed' if stub else ''}"
-             f"{', direct Triton launches' if fast else ''})", "",
+             f"{', direct Triton launches' if fast else ''})", "", f"Run: {provenance_line(meta)}.", "",
              "Public call path (validation, backend choice, config lookup, launch), CPU time per call; kernel: "
              "CUDA-graph replay; normal launches: a direct launch's fall back to Triton's binding (0 when every launch is direct). `python bench/host_time.py" + (" --stub" if stub and gpu else "")
              + ("" if fast or stub else " --jit-launch") + "`", "",

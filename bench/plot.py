@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BACKEND_ORDER, load_ceilings  # noqa: E402
+from common import BACKEND_ORDER, load_ceilings, provenance_line  # noqa: E402
 
 UNITS = ("GB/s", "TFLOP/s")
 
@@ -63,7 +63,11 @@ def load_rows(path: Path) -> tuple[list[dict], dict]:
         rows.append({**ei, "pedantic_ms": float("nan") if median is None else median * 1e3})
     head = rows[0] if rows else {}
     meta = {k: head.get(k) for k in ("device", "capability", "torch", "triton", "cuda", "python")}
-    meta["datetime"] = data.get("datetime")
+    # the run's commit and date (bench/conftest.py adds them to the file; its cases carry them too)
+    info = data.get("commit_info") or {}  # pytest-benchmark's own record, where git was there
+    meta["commit"] = data.get("commit") or head.get("commit") or (
+        info.get("id") and info["id"][:12] + ("-dirty" if info.get("dirty") else ""))
+    meta["date"] = data.get("date") or data.get("datetime") or head.get("date")
     return rows, meta
 
 
@@ -136,7 +140,7 @@ def markdown(rows: list[dict], meta: dict, ceilings: dict, op: str) -> str:
         f"# {op} on {meta.get('device')}",
         "",
         f"torch {meta.get('torch')}, triton {meta.get('triton')}, CUDA {meta.get('cuda')}, "
-        f"capability {meta.get('capability')}; run {meta.get('datetime')}.",
+        f"capability {meta.get('capability')}; {provenance_line(meta)}.",
         f"Times: `triton.testing.do_bench` median (CUDA events, L2 flushed); pedantic: wall clock per "
         f"synchronized call. Ceilings: {ceil_src}. Every row's throughput counts the work of the op "
         f"itself ({', '.join(units)}), whatever the backend computes.",

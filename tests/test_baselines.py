@@ -1,10 +1,12 @@
 """The benchmark baselines (bench/baselines.py) compute what the ops compute, the registry entries of
-ops 2 and 3 count the right work, and bench/plot.py turns results of ops 2 and 3 into tables and plots.
+ops 2 and 3 count the right work, bench/plot.py turns results of ops 2 and 3 into tables and plots,
+and every results file records the commit and date of its run (bench/common.py's provenance).
 
 On CPU: FlexAttention runs eagerly (its dense reference path), SDPA and torch._grouped_mm run on CPU
 tensors; the compiled FlexAttention and the CUDA grouped GEMM are checked on a GPU (`gpu` marker).
 """
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -302,8 +304,35 @@ def test_bench_files_collect():
 def _fake_json(path, op, rows):
     benches = [{"extra_info": {"op": op, "device": "cpu", "torch": torch.__version__, **r},
                 "stats": {"median": (r.get("ms") or 0) * 1e-3}} for r in rows]
-    path.write_text(json.dumps({"benchmarks": benches, "datetime": "now"}))
+    path.write_text(json.dumps({"benchmarks": benches, "datetime": "now", "commit": "abc1234", "date": "today"}))
     return path
+
+
+def test_provenance_names_the_commit_and_marks_a_dirty_tree(tmp_path, monkeypatch):
+    common = pytest.importorskip("common")
+    monkeypatch.delenv(common.COMMIT_ENV, raising=False)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    monkeypatch.setattr(common, "ROOT", repo)
+    assert common.source_commit() is None  # a copy outside git (not a repository of its own)
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    (repo / "f.txt").write_text("a")
+    git("add", "f.txt")
+    git("commit", "-q", "-m", "one")
+    head = git("rev-parse", "--short=12", "HEAD")
+    assert common.source_commit() == head
+    (repo / "new.txt").write_text("untracked files leave the tree clean")
+    assert common.source_commit() == head
+    (repo / "f.txt").write_text("b")
+    assert common.provenance()["commit"] == head + "-dirty"
+    monkeypatch.setenv(common.COMMIT_ENV, "0123abc")  # a tree sent without its history names its commit
+    assert common.provenance()["commit"] == "0123abc"
+    assert common.provenance_line({"commit": "c", "date": "d"}) == "commit c, d"
+    assert common.provenance_line({"created": "x"}) == "commit unknown, x"  # files written before "date"
 
 
 def test_plot_op2_speedup_and_tables(tmp_path):
@@ -327,6 +356,7 @@ def test_plot_op2_speedup_and_tables(tmp_path):
     assert "decode: B=32 Nq=1 Nk=32768" in md
     assert "rotating ms" in md and "graph ms" in md and "read-flush ms" in md and "GB/s read flush" in md
     assert "| 0.0450 |" in md and "| 3333.3 |" in md
+    assert "; commit abc1234, today." in md
 
 
 def test_plot_op3_bars_roof_and_unsupported(tmp_path):
@@ -365,6 +395,7 @@ def test_plot_from_the_case_log_of_a_cut_run(tmp_path, monkeypatch):
             class stats:
                 median = 2e-3
 
+    base["commit"] = "abc1234"  # as time_case records it
     common.log_case({**base, "backend": "grouped_mm_pipeline", "ms": 2.0, "TFLOP/s": 250.0}, _Bench)
     common.log_case({**base, "backend": "triton", "ms": 0.5, "TFLOP/s": 1000.0}, _Bench)
     common.log_case({**base, "backend": "cuda", "ms": None, "unsupported": "not built"})
@@ -373,6 +404,7 @@ def test_plot_from_the_case_log_of_a_cut_run(tmp_path, monkeypatch):
     assert {w.name for w in written} == {"expert_matmul.md", "expert_matmul.png"}
     md = (tmp_path / "expert_matmul.md").read_text()
     assert "| 4.00x |" in md and "not built" in md and "2.0000" in md  # pedantic ms from the log
+    assert "; commit abc1234, " in md  # the logged cases' commit
 
 
 def test_flex_compile_failure_is_unsupported_and_other_errors_are_not():

@@ -379,7 +379,9 @@ def test_host_time_bench_writes_its_table(tmp_path):
         assert any(k[0] == op and k[2] == "triton" for k in rows), op
         assert any(k[0] == f"{op} fwd+bwd" and k[2] == "triton" for k in rows), op  # a training step's call
     assert all(0 < us < 20_000 for us in rows.values()), rows
-    assert (tmp_path / "host_time.md").read_text().count("\n|") >= len(rows) + 1
+    md = (tmp_path / "host_time.md").read_text()
+    assert md.count("\n|") >= len(rows) + 1
+    assert data["meta"]["date"] and f"Run: commit {data['meta']['commit'] or 'unknown'}, {data['meta']['date']}." in md
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="a CPU run: no device's results")

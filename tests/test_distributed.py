@@ -96,7 +96,8 @@ def test_cpu_smoke_of_the_e2e_bench(tmp_path):
     assert [r["mode"] for r in data["throughput"]] == ["single", "ddp", "fsdp2", "fsdp2_bf16"]
     assert all(r["tokens_per_s"] > 0 for r in data["throughput"])
     assert set(data["parity"]) == set(P.MODES) and all(p["ok"] for p in data["parity"].values())
-    assert "| mode |" in (tmp_path / "e2e_distributed.md").read_text()
+    md = (tmp_path / "e2e_distributed.md").read_text()
+    assert "| mode |" in md and data["date"] and f"commit {data['commit'] or 'unknown'}, {data['date']}" in md
 
 
 @pytest.mark.gpu

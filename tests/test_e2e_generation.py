@@ -1,10 +1,12 @@
 """flashswitch.nn.llama and bench/e2e_generation.py: the decoder's generation (prefill, then single- and
 multi-token steps) gives the logits of its full-sequence forward, with EVA on an EvaCache (reference
 backend; Triton under the interpreter on the CPU) and with exact attention on a StaticKVCache (masked
-SDPA; on the GPU also the flash decode kernel and CUDA-graph replay); an EVA model whose window covers
-the sequence equals the exact one (the two attention paths cross-check); the MAC count on hand-counted
-cases; the benchmark's --help, its merging of partial runs and its tables and plots; and (GPU only) a
-short run of the benchmark itself.
+SDPA); each StaticKVCache decode kernel ("masked", "gqa"; on the GPU "flash") is exact attention over
+each sequence's own keys for 1, 2 and 4 query heads per kv head (on the GPU also: "gqa" runs on cuDNN's
+attention, and CUDA-graph replay); an EVA model whose window covers the sequence equals the exact one
+(the two attention paths cross-check); the MAC and KV-read counts on hand-counted cases; the
+benchmark's --help, its merging of partial runs and its tables and plots; and (GPU only) a short run of
+the benchmark itself.
 """
 import dataclasses
 import importlib.util
@@ -17,9 +19,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import DEVICE, kernel_backends
+from conftest import DEVICE, dense_causal, kernel_backends
 from flashswitch.nn.llama import (LLAMA_SHAPES, LlamaConfig, LlamaLM, SdpaAttention, StaticKVCache, keys_per_query,
-                                  macs_per_token)
+                                  keys_seen, macs_per_token)
 from flashswitch.testing import assert_close
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +91,31 @@ def test_eva_generation_on_kernels(backend):
        ragged=st.booleans(), seed=st.integers(0, 99))
 def test_static_cache_generation_matches_full_forward(P, steps, ragged, seed):
     check_generation(make_model("sdpa", seed=seed), P, steps, ragged, seed)
+
+
+@pytest.mark.parametrize("decode", ["masked", "gqa", pytest.param("flash", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("G", [1, 2, 4])
+def test_static_cache_decode_is_exact_attention(decode, G):
+    """Each decode kernel's steps (one token at a time, then two: "flash" takes those through the masked
+    path) over right-padded prompts == exact causal attention over each sequence's own keys in fp64,
+    with G query heads per kv head (head h reads kv head h // G)."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # flash attention: 16-bit only
+    B, Hkv, D, P, steps = 3, 2, 64, 40, [1, 1, 1, 2]
+    g = torch.Generator().manual_seed(G)
+    q, k, v = (torch.randn(B, h, P + sum(steps), D, generator=g).to(DEVICE, dtype) for h in (G * Hkv, Hkv, Hkv))
+    lengths = torch.tensor([P, 17, 1])
+    cache = StaticKVCache(B, Hkv, D, max_seq_len=P + sum(steps), dtype=dtype, device=DEVICE, decode=decode)
+    cache.prefill(q[:, :, :P], k[:, :, :P], v[:, :, :P], lengths=lengths.to(DEVICE))
+    got, at = [], P
+    for n in steps:
+        got.append(cache.step(q[:, :, at:at + n], k[:, :, at:at + n], v[:, :, at:at + n]))
+        at += n
+    got = torch.cat(got, 2)
+    for b in range(B):
+        L = int(lengths[b])
+        keys, values = (torch.cat([t[b:b + 1, :, :L], t[b:b + 1, :, P:]], 2) for t in (k, v))
+        want = dense_causal(q[b:b + 1, :, P:], keys, values)[0]  # the new tokens follow the sequence's L keys
+        assert_close(f"{decode} decode, sequence {b}", got[b:b + 1], want, dtype)
 
 
 @pytest.mark.parametrize("window", ["block", "sliding"])
@@ -178,6 +205,22 @@ def test_keys_per_query_counts_the_spec_rule():
         assert keys_per_query(100, attention="eva", chunk_size=4, window_size=128, window=window) == keys_per_query(100)
 
 
+def test_kv_read_bytes_count_the_keys_each_step_reads():
+    """The benchmark's KV read bytes: K and V of each key the new token attends to (exact: all up to it;
+    EVA: llama.keys_seen), every layer and sequence, at the timed steps' positions."""
+    bench = load_bench()
+    assert list(bench.timed_positions(100, 3)) == [100 + 1 + bench.WARM_REPLAYS + i for i in range(3)]
+    per_key = TINY.num_layers * TINY.num_kv_heads * 2 * TINY.head_dim * 2  # bf16 K and V, every layer
+    assert bench.kv_read_bytes(TINY, {"attention": "sdpa"}, [10, 11], 3, 2) == 3 * per_key * 11.5
+    eva = dict(attention="eva", chunk_size=2, window_size=4, window="block")
+    assert list(keys_seen([7, 8], **eva)) == [4 + 2, 1 + 4]  # t=7: keys 4..7, summaries 0, 1; t=8: 8, 0..3
+    assert bench.kv_read_bytes(TINY, eva, [7, 8], 1, 2) == per_key * 5.5
+    row = bench.kv_read(TINY, "sdpa", 10, 2, {"batch": 2, "ms": 0.5}, copy_GBps=1.0)
+    want = bench.kv_read_bytes(TINY, {"attention": "sdpa"}, bench.timed_positions(10, 2), 2, 2)
+    assert row["kv_read_bytes_per_step"] == want and row["kv_read_GBps"] == pytest.approx(want / 0.5e-3 / 1e9)
+    assert row["kv_read_pct_of_copy"] == pytest.approx(100 * row["kv_read_GBps"])
+
+
 def test_macs_ideal_speedup_grows_with_context():
     cfg = LLAMA_SHAPES["llama-1b"]
     eva = dict(attention="eva", chunk_size=32, window_size=256, window="sliding")
@@ -201,13 +244,13 @@ def fake_rows():
     for method in ("sdpa", "eva-sliding"):
         for n in (4096, 32768):
             base = dict(size="smollm2-135m", method=method, context=n, device="fake", torch="x", triton="y",
-                        decode_kernel="flash" if method == "sdpa" else "eva")
+                        decode_kernel="gqa" if method == "sdpa" else "eva", commit="abc", date="d")
             rows.append({**base, "kind": "prefill", "batch": 1, "batch_label": "1", "ms": 10.0 * n / 4096,
                          "tokens_per_s": 4e5, "peak_bytes": 3 << 30})
             for label, B in (("1", 1), ("16", 16), ("max", 500 if method == "sdpa" else 5000)):
                 rows.append({**base, "kind": "decode", "batch": B, "batch_label": label, "ms": 5.0,
                              "tokens_per_s": B * 200.0, "kv_bytes_per_seq": (n if method == "sdpa" else 300) * 23040,
-                             "peak_bytes": 4 << 30})
+                             "peak_bytes": 4 << 30, "kv_read_GBps": 1234.5, "kv_read_pct_of_copy": 29.06})
     return rows
 
 
@@ -222,6 +265,7 @@ def test_partial_run_merges_into_the_results(tmp_path):
     assert [r for r in data["rows"] if bench.row_key(r) == bench.row_key(again)] == [again]
     assert data["macs"][0]["ideal_speedup"] > 1
     assert [r["kind"] for r in data["rows"][:4]] == ["prefill", "decode", "decode", "decode"]
+    assert set(data) >= {"commit", "date"}  # the latest write's
 
 
 def test_tables_and_plots(tmp_path):
@@ -232,39 +276,52 @@ def test_tables_and_plots(tmp_path):
     assert {p.name for p in written} == {"e2e_generation.md", "e2e_generation_throughput.png",
                                          "e2e_generation_memory.png"}
     md = (tmp_path / "e2e_generation.md").read_text()
-    assert "| smollm2-135m | 32768 | eva-sliding | eva | 5000 (max) | 5.00 | 1,000,000 | 10.00x |" in md
-    assert "masked SDPA" not in md  # the flash baseline: no warning under the table
-    masked = [{**r, "decode_kernel": "masked"} if r["method"] == "sdpa" else r for r in data["rows"]]
-    bench.render({**data, "rows": masked}, tmp_path)
-    assert "masked SDPA" in (tmp_path / "e2e_generation.md").read_text()
+    assert "| smollm2-135m | 32768 | eva-sliding | eva | 5000 (max) | 5.00 | 1,000,000 | 10.00x | 1,234 | 29.1 |" in md
+    assert f"Last written: commit {data['commit'] or 'unknown'}, {data['date']}." in md
+    assert "weaker baseline" not in md  # the gqa baseline: no warning under the table
+    for kernel in ("flash", "masked"):
+        weak = [{**r, "decode_kernel": kernel, "commit": "def"} if r["method"] == "sdpa" else r for r in data["rows"]]
+        bench.render({**data, "rows": weak}, tmp_path)
+        md_weak = (tmp_path / "e2e_generation.md").read_text()
+        assert f"decoded with `{kernel}`" in md_weak and "weaker baseline" in md_weak
+        assert "the rows come from commits abc, def" in md_weak
     assert "| smollm2-135m | 32768 | eva-sliding | 80.0 | 400,000 | 1.00x |" in md
 
 
 # ---------------------------------------------------------------- GPU
-@pytest.mark.gpu
-def test_flash_decode_equals_masked_decode():
-    """StaticKVCache's flash decode kernel (variable-length flash attention with seqused_k) == masked SDPA."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    B, H, Hkv, D, P, T = 3, 8, 2, 64, 100, 5
-    q, k, v = (torch.randn(B, h, P + T, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (H, Hkv, Hkv))
-    lengths = torch.tensor([P, 37, 1], device="cuda")
-    outs = {}
-    for decode in ("flash", "masked"):
-        cache = StaticKVCache(B, Hkv, D, max_seq_len=P + T, dtype=torch.bfloat16, device="cuda", decode=decode)
-        cache.prefill(q[:, :, :P], k[:, :, :P], v[:, :, :P], lengths=lengths)
-        outs[decode] = torch.cat([cache.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
-                                  for t in range(P, P + T)], 2)
-    assert_close("flash decode", outs["flash"], outs["masked"].float(), torch.bfloat16)
+GPU_CFG = LlamaConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=64,
+                      intermediate_size=512)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["sdpa", "eva"])
+def test_gqa_decode_runs_on_cudnn():
+    """The model's "gqa" decode step (q as the layer passes it) runs with SDPA held to cuDNN's attention,
+    as the benchmark runs it: no fallback to the math backend, which copies every kv head G times; and
+    it gives the masked decode's logits."""
+    from contextlib import nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    model = LlamaLM(GPU_CFG, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator("cuda").manual_seed(0)
+    tokens = torch.randint(0, GPU_CFG.vocab_size, (3, 101), device="cuda", generator=g)
+    out = {}
+    with torch.no_grad():
+        for decode in ("gqa", "masked"):
+            model.set_attention("sdpa", decode=decode)
+            cache = model.new_cache(3, 101)
+            model(tokens[:, :100], cache)
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if decode == "gqa" else nullcontext():
+                out[decode] = model(tokens[:, 100:], cache)
+    assert_close("gqa decode logits", out["gqa"], out["masked"].float(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa-flash", "sdpa-gqa", "eva"])
 def test_captured_model_step_equals_eager(attention):
     """The benchmark's decode: one captured model step replayed token after token == eager steps (bf16)."""
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=64,
-                      intermediate_size=512)
-    kw = dict(decode="flash") if attention == "sdpa" else dict(chunk_size=16, window_size=64, window="sliding")
-    model = LlamaLM(cfg, attention=attention, device="cuda", dtype=torch.bfloat16, **kw)
+    cfg = GPU_CFG
+    kw = dict(chunk_size=16, window_size=64, window="sliding") if attention == "eva" else dict(
+        decode=attention.split("-")[1])
+    model = LlamaLM(cfg, attention=attention.split("-")[0], device="cuda", dtype=torch.bfloat16, **kw)
     B, P, T = 3, 150, 20
     g = torch.Generator("cuda").manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (B, P + T), device="cuda", generator=g)

@@ -193,6 +193,7 @@ def test_e2e_training_script(tmp_path):
     sh = next(r for r in data["macs"] if r["variant"] == "switchhead" and r["seq_len"] == 8)
     assert sh["ideal_speedup"] > 1
     md = (tmp_path / "e2e_training.md").read_text()
+    assert f"last run: {E.provenance_line(data)}." in md and data["date"]
     assert "| tiny | 8 | 4 | switchhead | flashswitch |" in md and "| tiny | 16 | 2 | dense | paper |" in md
     assert "Attention layer alone" in md
     assert (tmp_path / "e2e_training.png").stat().st_size > 0
@@ -248,6 +249,8 @@ def test_e2e_text_script(tmp_path):
         assert [e["step"] for e in r["log"]] == [4, 8, 12] and all(math.isfinite(v) for v in losses)
         assert r["log"][-1]["train_loss"] < r["log"][0]["train_loss"] and r["final_val_loss"] < math.log(256)
     md = (tmp_path / "e2e_text.md").read_text()
+    assert all(r["date"] and "commit" in r for r in runs.values())  # each run's own, as runs merge
+    assert f"Last run: {E.provenance_line(data)}." in md
     assert "%" in md.split("| tiny | switchhead |")[1].splitlines()[0]  # the gap to dense
     assert "do not compare" in md  # different seeds
     assert (tmp_path / "e2e_text.png").stat().st_size > 0

@@ -29,7 +29,7 @@ from flashswitch.nn._projections import qkv_projection
 from flashswitch.nn.rotary import Rotary
 
 ATTENTIONS = ("sdpa", "eva")
-DECODE_KERNELS = ("masked", "flash")
+DECODE_KERNELS = ("masked", "gqa", "flash")
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,19 @@ class StaticKVCache:
     at each sequence's length and attends over the buffer with the positions past it left out: fixed
     shapes and launch arguments, no host sync, so it can be captured in a CUDA graph.
 
-    decode: "masked" (SDPA with a boolean key mask; any device) or "flash" (single-token steps on CUDA
-    through flash attention's variable-length kernel with `seqused_k`, the kernel behind SDPA's flash
-    backend, which itself takes no mask or lengths; bf16/fp16 only)."""
+    decode, how a step attends (on CUDA each reads every kv head once per step; the prefill is SDPA's
+    causal attention with enable_gqa):
+      "masked"  SDPA with the G = H / Hkv query heads of a kv head folded into G * n query rows and a
+                boolean key mask: no copy of the cache on any device or backend.
+      "gqa"     SDPA over the H query heads with enable_gqa and an additive key bias [B, 1, n, N] (0 up
+                to each token's position, -inf past it). On CUDA SDPA hands it to cuDNN's attention,
+                which reads the cache at about twice flash's rate at large batch; on the CPU the math
+                backend copies each kv head G times.
+      "flash"   single-token steps on CUDA through flash attention's variable-length kernel with
+                `seqused_k` (SDPA's flash backend takes no mask or lengths; bf16/fp16 only). With one
+                query token torch's kernel itself makes the G heads of a kv head G query rows of it
+                (flash-attn's seqlenq_ngroups_swapped, with the split-KV kernel at small batch); its
+                128-row query tiles, G of them used, make it compute bound at large batch."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, *, max_seq_len: int,
                  dtype: Optional[torch.dtype] = None, device=None, scale: Optional[float] = None,
@@ -157,10 +167,19 @@ class StaticKVCache:
         self.v.scatter_(1, idx, v.transpose(1, 2))
         if self.decode == "flash" and n == 1:
             o = self._flash_one(q)
+        elif self.decode == "gqa":
+            o = self._gqa(q, pos)
         else:
             o = self._masked(q, pos)
         self.lengths += n
         return o
+
+    def _gqa(self, q, pos):
+        # one bias row per token, shared by every head: SDPA broadcasts it, nothing is expanded
+        see = self._keys[None, None, :] <= pos[:, :, None]                                       # [B, n, N]
+        bias = torch.where(see, 0.0, float("-inf")).to(q.dtype)[:, None]                          # [B, 1, n, N]
+        return F.scaled_dot_product_attention(q, self.k.transpose(1, 2), self.v.transpose(1, 2), attn_mask=bias,
+                                              scale=self.scale, enable_gqa=q.shape[1] != self.num_kv_heads)
 
     def _masked(self, q, pos):
         B, H, n, D = q.shape
@@ -175,6 +194,8 @@ class StaticKVCache:
         return o.reshape(B, H, n, D)
 
     def _flash_one(self, q):
+        # q [B, H, D] as one query row per sequence; the kernel regroups the heads by kv head itself
+        # (doing it here, max_seqlen_q = G, measured slower: it loses the split-KV path at small batch)
         B, H, _, D = q.shape
         N, Hkv = self.max_seq_len, self.num_kv_heads
         used = (self.lengths + 1).to(torch.int32)  # keys [0, length] of each sequence, the new token included
@@ -374,19 +395,26 @@ class LlamaLM(nn.Module):
 
 
 # ---------------------------------------------------------------- cost
-def keys_per_query(seq_len: int, *, attention: str = "sdpa", chunk_size: Optional[int] = None,
-                   window_size: Optional[int] = None, window: str = "block") -> float:
-    """Mean over the N positions of the keys one query attends to: t + 1 for exact causal attention;
-    for EVA (SPEC op 2) the exact keys [start(t), t] plus one summary per chunk before start(t)."""
-    t = np.arange(seq_len, dtype=np.int64)
+def keys_seen(t, *, attention: str = "sdpa", chunk_size: Optional[int] = None, window_size: Optional[int] = None,
+              window: str = "block") -> np.ndarray:
+    """The keys the query at position t (an int or int array) attends to: t + 1 for exact causal
+    attention; for EVA (SPEC op 2) the exact keys [start(t), t] plus one summary per chunk before start(t)."""
+    t = np.asarray(t, dtype=np.int64)
     if attention == "sdpa":
-        return float((t + 1).mean())
+        return t + 1
     Cs, W = chunk_size, window_size
     if window == "block":
         start = W * (t // W)
     else:
         start = np.where(t >= W, Cs * ((t - W + 1) // Cs), 0)
-    return float((t - start + 1 + start // Cs).mean())
+    return t - start + 1 + start // Cs
+
+
+def keys_per_query(seq_len: int, *, attention: str = "sdpa", chunk_size: Optional[int] = None,
+                   window_size: Optional[int] = None, window: str = "block") -> float:
+    """Mean of `keys_seen` over the N positions of a sequence."""
+    return float(keys_seen(np.arange(seq_len), attention=attention, chunk_size=chunk_size, window_size=window_size,
+                           window=window).mean())
 
 
 def macs_per_token(cfg: LlamaConfig, seq_len: int, *, attention: str = "sdpa", chunk_size: Optional[int] = None,
@@ -405,4 +433,4 @@ def macs_per_token(cfg: LlamaConfig, seq_len: int, *, attention: str = "sdpa", c
 
 
 __all__ = ["LlamaConfig", "LLAMA_SHAPES", "LlamaLM", "SdpaAttention", "StaticKVCache", "RMSNorm", "SwiGLU",
-           "DecoderBlock", "keys_per_query", "macs_per_token"]
+           "DecoderBlock", "keys_seen", "keys_per_query", "macs_per_token"]
