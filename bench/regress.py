@@ -47,11 +47,10 @@ sys.path.insert(0, str(BENCH))
 
 import torch  # noqa: E402
 
-from common import device_name, env_info, now, results_dir  # noqa: E402
+from common import COMMIT_ENV, device_name, env_info, now, results_dir  # noqa: E402
 from flashswitch import registry  # noqa: E402
 from regress_worker import make_inputs  # noqa: E402
 
-COMMIT_ENV = "FLASHSWITCH_COMMIT"
 # test hook: head's timings multiplied by this factor, so a test can see the gate fail
 SLOWDOWN_ENV = "FLASHSWITCH_REGRESS_TEST_SLOWDOWN"
 
@@ -197,9 +196,9 @@ def checkout(rev: str, folder: Path) -> tuple[str, Path]:
 
 
 def head_state() -> tuple[str, bool]:
-    """(HEAD's full sha, whether the working tree differs from it); a copy without git history names
-    its commit in FLASHSWITCH_COMMIT (taken as clean)."""
-    if not (ROOT / ".git").exists() and os.environ.get(COMMIT_ENV):
+    """(HEAD's full sha, whether the working tree differs from it); FLASHSWITCH_COMMIT, where set, names
+    the commit of a copy whose git metadata is absent or not its own (taken as clean)."""
+    if os.environ.get(COMMIT_ENV):
         return os.environ[COMMIT_ENV], False
     return git("rev-parse", "HEAD"), bool(git("status", "--porcelain"))
 
