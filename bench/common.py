@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,6 +45,8 @@ PEDANTIC_WARMUP = 3
 # each finished case is also appended to this file (one pytest-benchmark-shaped entry per line), so a
 # run cut short by a time limit keeps its cases: `flashswitch bench` sets it to <op>.cases.jsonl
 CASES_ENV = "FLASHSWITCH_BENCH_CASES"
+# the commit of a tree without its git history (a copy sent to a GPU machine), set by whoever sends it
+COMMIT_ENV = "FLASHSWITCH_COMMIT"
 
 
 def gpu() -> bool:
@@ -317,3 +320,33 @@ def load_ceilings(folder: Path) -> dict:
 
 def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def source_commit() -> str | None:
+    """The commit of the code that runs: $FLASHSWITCH_COMMIT where set, else this checkout's HEAD with
+    "-dirty" when a tracked file differs from it; None when neither is known (a copy outside git)."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=60)
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode or Path(top.stdout.strip()).resolve() != ROOT.resolve():  # not a repo of its own
+            return None
+        head = git("rev-parse", "--short=12", "HEAD").stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + "-dirty" if dirty else head) or None
+
+
+def provenance() -> dict:
+    """What every results file records of its run: {"commit", "date"} (UTC, ISO 8601)."""
+    return {"commit": source_commit(), "date": now()}
+
+
+def provenance_line(data: dict) -> str:
+    """A table header's statement of where its numbers come from ("created": files written before
+    "date" was recorded)."""
+    return f"commit {data.get('commit') or 'unknown'}, {data.get('date') or data.get('created') or 'date unknown'}"
