@@ -59,6 +59,7 @@ import random
 import shlex
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -646,7 +647,8 @@ def markdown(d: dict) -> str:
         base = {r["variant"]: r for r in ft}.get("full", {})
         out += ["", "## Fine-tuning", "",
                 f"AdamW (fused, lr {a.get('lr')}, warmup {a.get('warmup')}, cosine to lr/10, clip {a.get('clip')}), "
-                f"fp32 master weights, autocast {d.get('amp')}; the same batches for every variant. tokens/s: the "
+                f"fp32 master weights, autocast {d.get('amp', '?').replace('None', 'off')}; the same batches for "
+                "every variant. tokens/s: the "
                 f"fine-tune's steps after the first {ft[0].get('untimed_steps')}; the long steps (median of "
                 f"{a.get('long_steps')} after one) start from the pretrained weights (throughput only).", "",
                 "| variant | attention | steps | tokens | train s | tokens/s | vs full | long steps | tokens/s | "
@@ -660,6 +662,7 @@ def markdown(d: dict) -> str:
                        f"| {r['tokens_per_s']:,.0f} | {_f(vs, '.2f')}x | "
                        f"{lg.get('batch', '-')} x {lg.get('seq', '-')} | {_f(lg.get('tokens_per_s'), ',.0f')} | "
                        f"{_f(vs_long, '.2f')}x | {r['first_loss']:.3f} | {r['final_loss']:.3f} |")
+        out += ["", "Targets: EVA at least 0.8x the exact model's training tokens/s at 2048 tokens and 1.5x at 8192."]
     ppl = d.get("perplexity", [])
     if ppl:
         lengths = list(ppl[0]["ppl"])
@@ -728,6 +731,7 @@ def plot(d: dict, path: Path) -> bool:
     if not ft and not to:
         return False
     plt = E.pyplot()
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for r in ft:
         axes[0].plot([e["step"] for e in r["log"]], [e["loss"] for e in r["log"]], label=r["variant"])
@@ -736,8 +740,12 @@ def plot(d: dict, path: Path) -> bool:
                             (axes[2], "tokens_per_s", "decode tokens/s (largest batch)")):
         for r in to:
             ax.scatter(r[key], r["ppl"], color="black" if r["setting"] == "exact" else "tab:blue")
-            ax.annotate(r["setting"], (r[key], r["ppl"]), fontsize=8, xytext=(4, 4), textcoords="offset points")
+            ax.annotate(f"{r['setting']} ({r[key]:,.3g})", (r[key], r["ppl"]), fontsize=8, xytext=(4, 4),
+                        textcoords="offset points")
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set(xlabel=xlabel, ylabel=f"perplexity @ {to[0]['length']}" if to else "perplexity",
                title="EVA sliding (W, C) vs exact")
     for ax in axes:
@@ -746,7 +754,9 @@ def plot(d: dict, path: Path) -> bool:
         axes[0].legend(fontsize=8)
     fig.suptitle(f"FlashEVA on {d.get('model', {}).get('name', '?')}, {d.get('device', '?')}, "
                  f"{provenance_line(d)}", fontsize=9)
-    fig.tight_layout()
+    command = textwrap.wrap(d.get("command", ""), 240)
+    fig.text(0.005, 0.005, "\n".join(command), fontsize=7, family="monospace")
+    fig.tight_layout(rect=(0, 0.025 * len(command), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

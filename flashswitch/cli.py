@@ -564,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunk-size", type=int, default=32, help="EVA chunk size C (default 32)")
     g.add_argument("--window-size", type=int, default=256, help="EVA exact window W (default 256)")
     g.add_argument("--window", choices=("sliding", "block"), default="sliding")
-    g.add_argument("--summary-bias", choices=("none", "log_count"), default="none")
+    g.add_argument("--summary-bias", choices=("none", "log_count"), default="log_count")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="send the prompt as a user turn of the chat format")
     g.add_argument("--max-new-tokens", type=int, default=128)
