@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Project entry point. Usage:
-#   ./fs demo | info | check | bench | autotune ...   the flashswitch CLI
+#   ./fs demo | info | check | bench | autotune | generate ...   the flashswitch CLI
 #   ./fs test [pytest args]                            the test suite
 # On first use it creates .venv with torch, the test tools and flashswitch itself (building the CUDA
 # extension when nvcc is found). FLASHSWITCH_PYTHON=/path/to/python uses an existing environment instead.
@@ -33,7 +33,7 @@ fi
 cmd="${1:-demo}"
 shift || true
 if [ "$cmd" = "-h" ] || [ "$cmd" = "--help" ] || [ "$cmd" = "help" ]; then
-  echo "usage: ./fs {demo,info,check,bench,autotune} [args] | ./fs test [pytest args]"
+  echo "usage: ./fs {demo,info,check,bench,autotune,generate} [args] | ./fs test [pytest args]"
   echo "  test      the test suite (pytest tests ...)"
   exec "$PY" -m flashswitch --help
 fi

@@ -1,4 +1,4 @@
-"""`flashswitch <command>` (also `python -m flashswitch`): demo | info | check | bench | autotune.
+"""`flashswitch <command>` (also `python -m flashswitch`): demo | info | check | bench | autotune | generate.
 
   demo      run each op on a small problem on this machine; the default command
   info      versions, GPU, which backends can run (and why not), tuned-config files, environment
@@ -6,6 +6,8 @@
   bench     the pytest-benchmark suite in bench/ (JSON + plot + table in bench/results/<device>/),
             or --quick: a timing table printed here
   autotune  sweep the kernels' configs on this GPU and write the tuned-config file
+  generate  greedy text from a pretrained model (flashswitch.nn.pretrained) with EVA or exact attention,
+            streamed as it decodes (CUDA-graph steps on a GPU)
 
 Every op comes from `flashswitch.registry`; nothing here names a particular op.
 """
@@ -452,12 +454,62 @@ def cmd_autotune(args) -> int:
     return 0 if res["buckets"] else 1
 
 
+# ---------------------------------------------------------------- generate
+CHATML = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"  # SmolLM2's chat format, one user turn
+
+
+def cmd_generate(args) -> int:
+    import torch
+    from flashswitch.nn import pretrained
+    from flashswitch.nn.generate import greedy
+
+    device = torch.device(args.device) if args.device else _device()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    attention = dict(attention="sdpa")
+    if args.attention == "eva":
+        attention = dict(attention="eva", chunk_size=args.chunk_size, window_size=args.window_size,
+                         window=args.window, summary_bias=None if args.summary_bias == "none" else args.summary_bias)
+    t0 = time.perf_counter()
+    model, tok = pretrained.load(args.model, device=device, dtype=dtype, **attention)
+    prompt = args.prompt
+    if args.chat:
+        if "<|im_start|>" not in (tok.chat_template or ""):
+            print("flashswitch generate: --chat writes ChatML turns, which this model's chat template does not use",
+                  file=sys.stderr)
+            return 2
+        prompt = CHATML.format(prompt=prompt)
+    ids = tok.encode(prompt)
+    print(f"[{args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {args.attention} "
+          f"attention, {device.type} {dtype}, loaded in {time.perf_counter() - t0:.1f} s; prompt {len(ids)} tokens]",
+          file=sys.stderr, flush=True)
+    new, shown = [], [""]
+
+    def show(token) -> bool:  # print the text decoded so far past what is shown (a split character waits)
+        new.append(int(token[0]))
+        text = tok.decode(new, skip_special=True)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(shown[0]):])
+            sys.stdout.flush()
+            shown[0] = text
+        return not args.ignore_eos and new[-1] == tok.eos_id
+
+    sys.stdout.write(args.prompt if not args.chat else "")
+    out = greedy(model, [ids], args.max_new_tokens, graph=False if args.no_graph else None, on_token=show)
+    sys.stdout.write("\n")
+    n = out.tokens.shape[1]
+    print(f"[{n} tokens; prefill {1e3 * out.prefill_s:.1f} ms; first step {1e3 * out.first_step_s:.1f} ms; then "
+          f"{out.tokens_per_s:.1f} tokens/s over {out.steady_steps} {'CUDA-graph' if out.graph else 'eager'} steps]",
+          file=sys.stderr, flush=True)
+    return 0
+
+
 # ---------------------------------------------------------------- argument parsing
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashswitch", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="With no command, runs `demo`.")
-    sub = p.add_subparsers(dest="cmd", metavar="{demo,info,check,bench,autotune}")
+    sub = p.add_subparsers(dest="cmd", metavar="{demo,info,check,bench,autotune,generate}")
 
     def ops_arg(sp):
         sp.add_argument("--ops", nargs="+", metavar="OP", help="ops to include (default: all)")
@@ -504,6 +556,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "run the budget cut short; a bucket whose space changed since is tuned again)")
     a.add_argument("--no-progress", action="store_true")
     a.set_defaults(func=cmd_autotune)
+
+    g = sub.add_parser("generate", help="greedy text from a pretrained model, EVA or exact attention")
+    g.add_argument("--model", default="smollm2-135m", help="a known model name (flashswitch.nn.pretrained) or a "
+                   ".gguf path (default smollm2-135m)")
+    g.add_argument("--attention", choices=("eva", "sdpa"), default="eva")
+    g.add_argument("--chunk-size", type=int, default=32, help="EVA chunk size C (default 32)")
+    g.add_argument("--window-size", type=int, default=256, help="EVA exact window W (default 256)")
+    g.add_argument("--window", choices=("sliding", "block"), default="sliding")
+    g.add_argument("--summary-bias", choices=("none", "log_count"), default="log_count")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user turn of the chat format")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    g.add_argument("--device", help="default: cuda when a GPU is visible, else cpu")
+    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default bf16 on a GPU, fp32 on the CPU")
+    g.add_argument("--no-graph", action="store_true", help="eager decode steps on a GPU too")
+    g.set_defaults(func=cmd_generate)
     return p
 
 

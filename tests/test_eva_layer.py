@@ -80,6 +80,46 @@ def test_generation_matches_full_forward_on_kernels(backend, window):
     check_generation(backend, window, "weighted", 2, 2, 5, [1, 2, 1], True, True)
 
 
+def banded_attention(layer, x, window):
+    """The layer's q/k/v/o with exact softmax over keys [start(t), t] only (fp64, autograd)."""
+    from flashswitch.cache import window_start
+    B, N = x.shape[:2]
+    H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    xd = x.double()
+    q = (xd @ layer.q_proj.weight.double().T).view(B, N, H, D).transpose(1, 2)
+    k = (xd @ layer.k_proj.weight.double().T).view(B, N, Hkv, D).transpose(1, 2)
+    v = (xd @ layer.v_proj.weight.double().T).view(B, N, Hkv, D).transpose(1, 2)
+    cos, sin = layer.rotary.cos_sin(torch.arange(N, device=x.device))
+    q, k = apply_rotary(q, cos.double(), sin.double()), apply_rotary(k, cos.double(), sin.double())
+    k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+    t = torch.arange(N, device=x.device)
+    start = window_start(t, layer.chunk_size, layer.window_size, window)
+    see = (t[None, :] <= t[:, None]) & (t[None, :] >= start[:, None])
+    p = torch.softmax((q @ k.transpose(-1, -2) * D ** -0.5).masked_fill(~see, float("-inf")), -1)
+    return (p @ v).transpose(1, 2).reshape(B, N, H * D) @ layer.o_proj.weight.double().T
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", ["block", "sliding"])
+def test_summaries_off_is_windowed_exact_attention(backend, window):
+    """summary_bias="off": exact attention over the window's keys alone, forward and gradients, and
+    generation through the cache gives the same outputs."""
+    layer = make_layer(window=window, chunk_size=2, window_size=4, summary_bias="off", backend=backend)
+    x = torch.randn(2, 13, 24, device=DEVICE, requires_grad=True)
+    got = layer(x)
+    want = banded_attention(layer, x, window)
+    assert_close("y", got, want, torch.float32)
+    g = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, [x, layer.q_proj.weight, layer.k_proj.weight], g)
+    want_grads = torch.autograd.grad(want, [x, layer.q_proj.weight, layer.k_proj.weight], g.double())
+    for name, a, b in zip(("dx", "dWq", "dWk"), got_grads, want_grads):
+        assert_close(name, a, b, torch.float32)
+    with torch.no_grad():
+        cache = layer.new_cache(2, 13)
+        gen = torch.cat([layer(x[:, :6], cache)] + [layer(x[:, i:i + 1], cache) for i in range(6, 13)], 1)
+    assert_close("y (generation)", gen, want, torch.float32)
+
+
 def test_gradients_reach_every_parameter():
     layer = make_layer(summaries="weighted", window_size=2, chunk_size=2, backend="reference")
     x = torch.randn(2, 11, 24, device=DEVICE, requires_grad=True)
@@ -96,6 +136,8 @@ def test_bad_arguments():
         EvaAttention(**{**kw, "window_size": 3})
     with pytest.raises(ValueError, match="summaries"):
         EvaAttention(**kw, summaries="max")
+    with pytest.raises(ValueError, match="summary_bias"):
+        EvaAttention(**kw, summary_bias="on")
     with pytest.raises(ValueError, match="rotary"):
         EvaAttention(**kw, head_dim=3)
     layer = EvaAttention(**kw)

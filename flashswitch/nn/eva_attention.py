@@ -9,13 +9,14 @@ import torch
 from torch import nn
 
 from flashswitch import _common as C
-from flashswitch.cache import EvaCache
+from flashswitch.cache import MASKED, EvaCache
 from flashswitch.nn._projections import qkv_projection
 from flashswitch.nn.rotary import Rotary
 from flashswitch.ops.chunk_summaries import chunk_summaries
 from flashswitch.ops.eva_attention import WINDOWS, eva_attention
 
 SUMMARIES = ("mean", "weighted")
+SUMMARY_BIASES = (None, "log_count", "off")
 
 
 class EvaAttention(nn.Module):
@@ -25,7 +26,10 @@ class EvaAttention(nn.Module):
     hidden_size // num_heads). Rotary embedding (`rope_base`; `rotary=False` for none) is applied to
     q and k before the chunks are summarised, as in FlashEVA. summaries: "mean" (mean chunk key,
     op 1 with omega = 0) or "weighted" (learnable key_weight and omega [Hkv, D], both starting at 0).
-    `summary_bias` (None or "log_count") goes to op 2.
+    `summary_bias`: None or "log_count" (op 2's), or "off": every summary switched off by a bias of
+    -1e30 (finite, as EvaCache's masked rows), which leaves exact attention over the local window alone:
+    with window="sliding", sliding-window attention over W to W + C - 1 keys (the cost of op 1 and of
+    the summaries' reads stays).
 
     forward(x) attends over the whole sequence (differentiable on the reference backend, and on the
     kernel backends where they have a backward); forward(x, cache) runs generation: an empty cache
@@ -54,8 +58,8 @@ class EvaAttention(nn.Module):
             raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
         if summaries not in SUMMARIES:
             raise ValueError(f"summaries must be one of {SUMMARIES}, got {summaries!r}")
-        if summary_bias not in (None, "log_count"):
-            raise ValueError(f"summary_bias must be None or 'log_count', got {summary_bias!r}")
+        if summary_bias not in SUMMARY_BIASES:
+            raise ValueError(f"summary_bias must be one of {SUMMARY_BIASES}, got {summary_bias!r}")
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.chunk_size, self.window_size, self.window = chunk_size, window_size, window
@@ -102,10 +106,19 @@ class EvaAttention(nn.Module):
     # ------------------------------------------------------------ forward
     def new_cache(self, batch_size: int, max_seq_len: int, *, dtype=None, device=None) -> EvaCache:
         w = self.q_proj.weight
+        device = device or w.device
         return EvaCache(batch_size, self.num_kv_heads, self.head_dim, chunk_size=self.chunk_size,
                         window_size=self.window_size, window=self.window, max_seq_len=max_seq_len,
-                        dtype=dtype or w.dtype, device=device or w.device, key_weight=self.key_weight,
-                        omega=self.omega, summary_bias=self.summary_bias, backend=self.backend)
+                        dtype=dtype or w.dtype, device=device, key_weight=self.key_weight, omega=self.omega,
+                        summary_bias=self._bias(batch_size, -(-max_seq_len // self.chunk_size), device),
+                        backend=self.backend)
+
+    def _bias(self, batch_size: int, num_chunks: int, device):
+        """op 2's summary_bias: "off" as a [B, Hkv, Nc] tensor (one value, expanded), else as given."""
+        if self.summary_bias != "off":
+            return self.summary_bias
+        return torch.full((1, 1, 1), MASKED, dtype=torch.float32, device=device).expand(
+            batch_size, self.num_kv_heads, num_chunks)
 
     def forward(self, x: torch.Tensor, cache: Optional[EvaCache] = None,
                 lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -122,7 +135,8 @@ class EvaAttention(nn.Module):
             k_sum, v_sum = chunk_summaries(k, v, self.chunk_size, key_weight=self.key_weight, omega=self.omega,
                                            backend=self.backend)
             o = eva_attention(q, k, v, k_sum, v_sum, chunk_size=self.chunk_size, window_size=self.window_size,
-                              window=self.window, summary_bias=self.summary_bias, backend=self.backend)
+                              window=self.window, summary_bias=self._bias(B, k_sum.shape[2], x.device),
+                              backend=self.backend)
         elif cache.empty:
             o = cache.prefill(q, k, v, lengths=lengths)
         else:

@@ -318,7 +318,7 @@ class DecoderBlock(nn.Module):
 class LlamaLM(nn.Module):
     """Pre-norm decoder: embedding, num_layers DecoderBlocks, final RMSNorm, logits (the embedding
     matrix when tie_embeddings). attention "sdpa" (exact; `decode` picks the StaticKVCache step kernel)
-    or "eva" (EvaAttention with chunk_size, window_size, window, backend). Weights are drawn by
+    or "eva" (EvaAttention with chunk_size, window_size, window, summary_bias, backend). Weights are drawn by
     `init_weights(seed)` (N(0, 0.02), norms 1) and depend only on the parameter names and the seed,
     so two models of one config and seed are equal whatever their attention."""
 
@@ -336,8 +336,8 @@ class LlamaLM(nn.Module):
         self.attention = attention
         self.init_weights(seed)
 
-    def _attention(self, attention: str, *, chunk_size=None, window_size=None, window="block", backend="auto",
-                   decode="masked") -> nn.Module:
+    def _attention(self, attention: str, *, chunk_size=None, window_size=None, window="block", summary_bias=None,
+                   backend="auto", decode="masked") -> nn.Module:
         cfg = self.cfg
         heads = dict(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope_base=cfg.rope_base, **self._kw)
         if attention == "sdpa":
@@ -346,7 +346,7 @@ class LlamaLM(nn.Module):
             if chunk_size is None or window_size is None:
                 raise ValueError("attention='eva' needs chunk_size and window_size")
             return EvaAttention(cfg.hidden_size, cfg.num_heads, chunk_size=chunk_size, window_size=window_size,
-                                window=window, backend=backend, **heads)
+                                window=window, summary_bias=summary_bias, backend=backend, **heads)
         raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
 
     @torch.no_grad()
@@ -392,6 +392,11 @@ class LlamaLM(nn.Module):
                 x, h = x.gather(1, at), h.gather(1, at)
         x = self.norm.add(x, h)[1]
         return F.linear(x, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (fp32) of tokens [B, N + 1]: positions 0..N-1 predict 1..N."""
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 # ---------------------------------------------------------------- cost
