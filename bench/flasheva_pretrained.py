@@ -44,7 +44,8 @@ what finished; past --budget-s no new item starts and the rest is listed as skip
 Each part prints its time. What sizes them: zeroshot and eval --eval-tokens, --eval-lengths;
 finetune --steps (capped by --max-train-s); passkey --passkey-trials, --passkey-lengths; generate
 --gen-tokens; tradeoff --tradeoff, --decode-steps; no part starts past --budget-s.
-Writes <out>/flasheva_pretrained.{json,md,png} and flasheva_pretrained_generations.md (default out: bench/results/<device>/; a CPU run only with --out).
+Writes <out>/flasheva_pretrained.{json,md,png} and flasheva_pretrained_generations.md (default out:
+bench/results/<device>/; a CPU run only with --out).
 """
 from __future__ import annotations
 
