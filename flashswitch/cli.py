@@ -101,7 +101,8 @@ def backend_status(backend: str, device) -> tuple[bool, str]:
         built = importlib.util.find_spec("flashswitch._C") is not None
         if not built:
             why = ("FLASHSWITCH_SKIP_CUDA_BUILD was set" if _truthy("FLASHSWITCH_SKIP_CUDA_BUILD")
-                   else "FLASHSWITCH_SKIP_CUDA_BUILD or no nvcc")
+                   else "no GPU visible at install, no nvcc, or FLASHSWITCH_SKIP_CUDA_BUILD; "
+                        "FLASHSWITCH_BUILD_CUDA=1 forces the build")
             return False, f"extension not built ({why})"
         if device.type != "cuda":
             return False, "extension flashswitch._C built, but no GPU"
