@@ -111,7 +111,7 @@ def backend_status(backend: str, device) -> tuple[bool, str]:
     if backend == "cupy":
         ver = _cupy_version()
         if ver is None:
-            return False, "cupy is not installed (pip install 'flashswitch[cupy]')"
+            return False, "cupy is not installed (in the checkout: pip install -e '.[cupy]')"
         if device.type != "cuda":
             return False, f"cupy {ver} installed, but no GPU"
         return _loader_status("cupy", device)
