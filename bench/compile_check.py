@@ -39,6 +39,10 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # this tree's package, installed or not: --compare sets one tree against another
+    sys.path.insert(0, str(ROOT))
+
 
 @contextlib.contextmanager
 def _recording(modules):
@@ -292,10 +296,12 @@ def main(argv=None) -> int:
     from flashswitch._common import triton_interpret
     if triton_interpret():
         ap.error("unset TRITON_INTERPRET: the interpreter replaces the kernels this compiles")
+    import flashswitch
     from flashswitch.autotune import space
     import triton
 
-    print(f"triton {triton.__version__}, torch {torch.__version__}, target sm_{args.arch}")
+    print(f"flashswitch from {Path(flashswitch.__file__).parent}, triton {triton.__version__}, "
+          f"torch {torch.__version__}, target sm_{args.arch}")
     rows = []
     for op in args.ops:
         if op == "eva_cache":  # no op of its own: the cache's step bookkeeping

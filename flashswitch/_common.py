@@ -45,6 +45,13 @@ def check_shape(name: str, t: torch.Tensor, expected: Sequence[int]) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(expected)}")
 
 
+def check_head_dim(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """`t`'s last dim (the head dim) is `ref`'s. Checked before the whole shape, whose message would show
+    an expected shape built from several tensors without saying which one set the head dim."""
+    if t.shape[-1] != ref.shape[-1]:
+        raise ValueError(f"{name} has head dim {t.shape[-1]} but {ref_name} has head dim {ref.shape[-1]}")
+
+
 def check_positive_int(name: str, value, *, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

@@ -1,4 +1,4 @@
-"""`flashswitch <command>` (also `python -m flashswitch`): demo | info | check | bench | autotune | generate.
+"""`flashswitch <command>` (also `python -m flashswitch`): demo | info | check | bench | autotune | generate | test.
 
   demo      run each op on a small problem on this machine; the default command
   info      versions, GPU, which backends can run (and why not), tuned-config files, environment
@@ -8,6 +8,7 @@
   autotune  sweep the kernels' configs on this GPU and write the tuned-config file
   generate  greedy text from a pretrained model (flashswitch.nn.pretrained) with EVA or exact attention,
             streamed as it decodes (CUDA-graph steps on a GPU)
+  test      the checkout's test suite: pytest tests/, every argument after `test` passed to pytest
 
 Every op comes from `flashswitch.registry`; nothing here names a particular op.
 """
@@ -101,7 +102,8 @@ def backend_status(backend: str, device) -> tuple[bool, str]:
         built = importlib.util.find_spec("flashswitch._C") is not None
         if not built:
             why = ("FLASHSWITCH_SKIP_CUDA_BUILD was set" if _truthy("FLASHSWITCH_SKIP_CUDA_BUILD")
-                   else "FLASHSWITCH_SKIP_CUDA_BUILD or no nvcc")
+                   else "no GPU visible at install, no nvcc, or FLASHSWITCH_SKIP_CUDA_BUILD; "
+                        "FLASHSWITCH_BUILD_CUDA=1 forces the build")
             return False, f"extension not built ({why})"
         if device.type != "cuda":
             return False, "extension flashswitch._C built, but no GPU"
@@ -109,7 +111,7 @@ def backend_status(backend: str, device) -> tuple[bool, str]:
     if backend == "cupy":
         ver = _cupy_version()
         if ver is None:
-            return False, "cupy is not installed (pip install 'flashswitch[cupy]')"
+            return False, "cupy is not installed (in the checkout: pip install -e '.[cupy]')"
         if device.type != "cuda":
             return False, f"cupy {ver} installed, but no GPU"
         return _loader_status("cupy", device)
@@ -335,12 +337,22 @@ def cmd_demo(args) -> int:
     return 1 if bad else 0
 
 
-# ---------------------------------------------------------------- bench
-def _bench_dir() -> Optional[Path]:
+# ---------------------------------------------------------------- test, bench
+def _checkout_dir(name: str) -> Optional[Path]:
+    """The checkout's `name` folder (tests, bench), under the working directory or this package's tree."""
     for root in (Path.cwd(), REPO_ROOT):
-        if (root / "bench" / "conftest.py").exists():
-            return root / "bench"
+        if (root / name / "conftest.py").exists():
+            return root / name
     return None
+
+
+def cmd_test(pytest_args: Sequence[str]) -> int:
+    tests = _checkout_dir("tests")
+    if tests is None:
+        print("tests/ not found: run from the repository root (the suite is not part of the installed package)",
+              file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, "-m", "pytest", str(tests), *pytest_args], cwd=str(tests.parent))
 
 
 def _device_slug() -> str:
@@ -356,7 +368,7 @@ def cmd_bench(args) -> int:
     con = _console()
     if args.quick:
         return _quick_bench(con, registry.select(args.ops), args)
-    bench = _bench_dir()
+    bench = _checkout_dir("bench")
     if bench is None:
         con.print("bench/ not found: run from the repository root (the suite is not part of the installed package)")
         return 2
@@ -509,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashswitch", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="With no command, runs `demo`.")
-    sub = p.add_subparsers(dest="cmd", metavar="{demo,info,check,bench,autotune,generate}")
+    sub = p.add_subparsers(dest="cmd", title="commands", metavar="<command>")
 
     def ops_arg(sp):
         sp.add_argument("--ops", nargs="+", metavar="OP", help="ops to include (default: all)")
@@ -573,12 +585,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default bf16 on a GPU, fp32 on the CPU")
     g.add_argument("--no-graph", action="store_true", help="eager decode steps on a GPU too")
     g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("test", help="the test suite: pytest tests/ [pytest args]")
+    t.set_defaults(func=lambda args: cmd_test([]))  # main() hands any arguments to pytest before parsing
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["test"]:  # the rest is pytest's, options included
+        return cmd_test(argv[1:])
     args = parser.parse_args(argv)
     if args.cmd is None:
         args = parser.parse_args(["demo"] + argv)

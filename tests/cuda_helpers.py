@@ -17,7 +17,8 @@ def extension_missing() -> str:
     if os.environ.get("FLASHSWITCH_SKIP_CUDA_BUILD", "0") not in ("", "0"):
         return "FLASHSWITCH_SKIP_CUDA_BUILD is set"
     if importlib.util.find_spec("flashswitch._C") is None:
-        return "flashswitch._C is not built (pip install -e . with nvcc available builds it)"
+        return ("flashswitch._C is not built (pip install --no-build-isolation -e . builds it, given nvcc, where a "
+                "GPU is visible or with FLASHSWITCH_BUILD_CUDA=1)")
     return ""
 
 

@@ -172,6 +172,53 @@ def test_cs_k_on_cpu_v_on_gpu():
         _cs(k=k.cpu(), v=v.cuda())
 
 
+# ================================================================ op 2: eva_attention
+def _ea_args(**head_dims):
+    """q, k, v, k_sum, v_sum of a small valid problem (head dim 8), `head_dims` giving some another."""
+    g = torch.Generator().manual_seed(0)
+    shapes = dict(q=(1, 4, 8), k=(1, 2, 8), v=(1, 2, 8), k_sum=(1, 2, 2), v_sum=(1, 2, 2))
+    return {name: torch.randn(*shape, head_dims.get(name, 8), generator=g).to(DEVICE)
+            for name, shape in shapes.items()}
+
+
+def test_ea_valid_problem_runs():
+    assert flashswitch.eva_attention(**_ea_args(), chunk_size=4, window_size=4).shape == (1, 4, 8, 8)
+
+
+@pytest.mark.parametrize("changed,message", [
+    (dict(q=16, k=32, v=32, k_sum=32, v_sum=32), "k has head dim 32 but q has head dim 16"),
+    (dict(q=16), "k has head dim 8 but q has head dim 16"),
+    (dict(v=4), "v has head dim 4 but k has head dim 8"),
+    (dict(k_sum=16), "k_sum has head dim 16 but k has head dim 8"),
+    (dict(v_sum=4), "v_sum has head dim 4 but k_sum has head dim 8"),
+])
+def test_ea_head_dims_that_differ_are_named(changed, message):
+    """A head dim that differs is reported as such, with the tensor it must match (not as a whole shape
+    against an expected one assembled from several tensors)."""
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        flashswitch.eva_attention(**_ea_args(**changed), chunk_size=4, window_size=4)
+
+
+def _window_users():
+    """Every constructor or call that takes chunk_size and window_size, as f(chunk_size, window_size)."""
+    from flashswitch.nn import EvaAttention
+    yield "eva_attention", lambda C, W: flashswitch.eva_attention(**_ea_args(), chunk_size=C, window_size=W)
+    yield "EvaCache", lambda C, W: flashswitch.EvaCache(1, 2, 8, chunk_size=C, window_size=W, max_seq_len=16)
+    yield "EvaAttention", lambda C, W: EvaAttention(16, 2, chunk_size=C, window_size=W)
+
+
+@pytest.mark.parametrize("user", [name for name, _ in _window_users()])
+@pytest.mark.parametrize("C,W,message", [
+    (8, 4, r"window_size must be >= chunk_size \(and a multiple of it\), got window_size=4, chunk_size=8"),
+    (4, 6, r"window_size must be a multiple of chunk_size, got window_size=6, chunk_size=4"),
+], ids=["below the chunk", "not a multiple"])
+def test_ea_window_size_rule(user, C, W, message):
+    """SPEC "Op 2": W >= C and W % C == 0. A window below the chunk is told as that, not as "not a multiple"."""
+    call = dict(_window_users())[user]
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        call(C, W)
+
+
 # ---------------------------------------------------------------- environment variables
 def test_bad_backend_variable_names_it(monkeypatch):
     monkeypatch.setenv("FLASHSWITCH_BACKEND", "tritn")

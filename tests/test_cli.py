@@ -124,12 +124,36 @@ def test_autotune_first_n_shapes(monkeypatch):
     assert seen["shapes"]["eva_attention"] == [space.TUNE_SHAPES["eva_attention"][i] for i in (1, 3)]
 
 
-def test_fs_help_lists_test():
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run(["bash", str(root / "fs"), "--help"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "FLASHSWITCH_PYTHON": sys.executable})
-    assert out.returncode == 0
-    assert "test" in out.stdout.split("\n")[1] and "autotune" in out.stdout
+COMMANDS = ("demo", "info", "check", "bench", "autotune", "generate", "test")
+
+
+def _fs(*args):
+    return subprocess.run(["bash", str(ROOT / "fs"), *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "FLASHSWITCH_PYTHON": sys.executable})
+
+
+def test_fs_help_is_one_usage_listing_every_command():
+    r = _fs("--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("usage:") == 1, r.stdout
+    listed = {line.split()[0] for line in r.stdout.splitlines() if line.startswith("    ") and line.strip()}
+    assert set(COMMANDS) <= listed, r.stdout
+
+
+def test_fs_unknown_command_lists_the_choices():
+    r = _fs("bogus")
+    assert r.returncode == 2 and "invalid choice: 'bogus'" in r.stderr, r.stderr
+    choices = r.stderr.split("choose from", 1)[1]
+    assert all(f"'{c}'" in choices for c in COMMANDS), r.stderr
+
+
+def test_test_command_hands_every_argument_to_pytest(monkeypatch):
+    """`flashswitch test ...` (./fs test runs pytest itself) is pytest on the checkout's tests/, options included."""
+    calls = []
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, cwd: calls.append((cmd, cwd)) or 5)
+    assert cli.main(["test", "-k", "help", "-x", "--help"]) == 5
+    assert calls == [([sys.executable, "-m", "pytest", str(ROOT / "tests"), "-k", "help", "-x", "--help"], str(ROOT))]
 
 
 def test_cli_kernel_backends_are_the_library_ones():

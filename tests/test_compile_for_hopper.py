@@ -17,10 +17,17 @@ pytest.importorskip("triton")
 
 
 def _compile_check(tmp_path, *args):
+    """bench/compile_check.py's process and rows. It runs without TRITON_INTERPRET (the interpreter replaces
+    the kernels) and without this tree on PYTHONPATH: the script must find its own tree's package, not an
+    installed one (possibly another checkout's) nor none."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    paths = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_check.py"), *args, "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert f"flashswitch from {ROOT / 'flashswitch'}," in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, (json.loads(out.read_text()) if out.exists() else [])
 
 

@@ -3,6 +3,7 @@ launch plan shared by both, and a small GPU smoke test of each against the PyTor
 
 Correctness over many shapes is in test_chunk_summaries_kernels.py (via the `backend` fixture).
 """
+import importlib.util
 import itertools
 import re
 from pathlib import Path
@@ -42,6 +43,51 @@ def test_host_code_is_guarded_from_nvrtc():
                 assert any(guarded), f"{path.name}:{n}: host include outside #ifndef __CUDACC_RTC__"
             depth = len(guarded)
         assert depth == 0, f"{path.name}: unbalanced #if/#endif"
+
+
+# ---------------------------------------------------------------- setup.py: whether the extension is built
+SETUP_VARS = ("FLASHSWITCH_BUILD_CUDA", "FLASHSWITCH_SKIP_CUDA_BUILD", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME")
+
+
+def _setup(monkeypatch, *, gpu, torch_cuda="13.0", cuda_home="/opt/cuda", **env):
+    """setup.py's cuda_extensions() as on a machine with or without a GPU, torch of CUDA `torch_cuda` (None: a
+    CPU build) and a toolkit at `cuda_home`, the extension itself stubbed: (built, what it said on stderr)."""
+    spec = importlib.util.spec_from_file_location("flashswitch_setup", ROOT / "setup.py")
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)  # not as __main__: no setup() call
+    for name in SETUP_VARS:  # set, so that what cuda_extensions() sets is undone after the test
+        monkeypatch.setenv(name, env.get(name, ""))
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(setup, "find_cuda_home", lambda: cuda_home)
+    monkeypatch.setattr(setup, "cuda_extension", lambda home: (["flashswitch._C"], {}))
+    ext_modules, _ = setup.cuda_extensions()
+    return bool(ext_modules)
+
+
+@pytest.mark.parametrize("gpu,env,built", [
+    (False, {}, False),
+    (False, {"FLASHSWITCH_BUILD_CUDA": "1"}, True),
+    (True, {}, True),
+    (True, {"FLASHSWITCH_BUILD_CUDA": "0"}, False),
+    (True, {"FLASHSWITCH_SKIP_CUDA_BUILD": "1"}, False),
+    (False, {"FLASHSWITCH_BUILD_CUDA": "1", "FLASHSWITCH_SKIP_CUDA_BUILD": "1"}, False),
+])
+def test_setup_builds_the_extension_with_a_gpu_or_when_asked(monkeypatch, capsys, gpu, env, built):
+    """A GPU-less install compiles no CUDA (minutes of nvcc for nothing it can run) unless
+    FLASHSWITCH_BUILD_CUDA=1 asks (.ci/run does); FLASHSWITCH_SKIP_CUDA_BUILD=1 always skips."""
+    assert _setup(monkeypatch, gpu=gpu, **env) == built
+    if not gpu and not env:
+        assert "FLASHSWITCH_BUILD_CUDA=1" in capsys.readouterr().err  # says how to get it
+
+
+@pytest.mark.parametrize("missing", ["CUDA torch", "nvcc"])
+def test_setup_fails_when_asked_for_what_it_cannot_build(monkeypatch, missing):
+    """FLASHSWITCH_BUILD_CUDA=1 is a request: a CI run must not pass with the build silently skipped."""
+    kw = dict(torch_cuda=None) if missing == "CUDA torch" else dict(cuda_home=None)
+    with pytest.raises(SystemExit, match="FLASHSWITCH_BUILD_CUDA=1, but"):
+        _setup(monkeypatch, gpu=False, FLASHSWITCH_BUILD_CUDA="1", **kw)
+    assert not _setup(monkeypatch, gpu=True, **kw)  # not asked: installs without it
 
 
 # ---------------------------------------------------------------- AOT extension

@@ -571,7 +571,7 @@ def _valid(**kw):
 
 BAD = [
     ("window_size", dict(window_size=6, chunk_size=4), ValueError, "multiple of chunk_size"),
-    ("window below chunk", dict(window_size=2, chunk_size=4), ValueError, "multiple of chunk_size"),
+    ("window below chunk", dict(window_size=2, chunk_size=4), ValueError, ">= chunk_size"),
     ("window_size zero", dict(window_size=0), ValueError, "window_size"),
     ("chunk_size zero", dict(chunk_size=0), ValueError, "chunk_size"),
     ("chunk_size float", dict(chunk_size=2.0), TypeError, "chunk_size"),
@@ -609,9 +609,11 @@ BAD_TENSORS = [
     ("q ndim", lambda p: _tensor_change(p, "q", torch.randn(4, 12, 8)), ValueError, "q must have 4 dims"),
     ("k ndim", lambda p: _tensor_change(p, "k", torch.randn(2, 12, 8)), ValueError, "k must have 4 dims"),
     ("v shape", lambda p: _tensor_change(p, "v", torch.randn(1, 2, 11, 8)), ValueError, "v has shape"),
-    ("k head dim", lambda p: _tensor_change(p, "k", torch.randn(1, 2, 12, 4)), ValueError, "k has shape"),
+    ("k head dim", lambda p: _tensor_change(p, "k", torch.randn(1, 2, 12, 4)), ValueError, "k has head dim 4 but q"),
     ("k batch", lambda p: _tensor_change(p, "k", torch.randn(2, 2, 12, 8)), ValueError, "k has shape"),
-    ("k_sum shape", lambda p: _tensor_change(p, "k_sum", torch.randn(1, 2, 6, 4)), ValueError, "k_sum has shape"),
+    ("k_sum head dim", lambda p: _tensor_change(p, "k_sum", torch.randn(1, 2, 6, 4)), ValueError,
+     "k_sum has head dim 4 but k"),
+    ("k_sum shape", lambda p: _tensor_change(p, "k_sum", torch.randn(1, 1, 6, 8)), ValueError, "k_sum has shape"),
     ("v_sum shape", lambda p: _tensor_change(p, "v_sum", torch.randn(1, 2, 5, 8)), ValueError, "v_sum has shape"),
     ("k dtype", lambda p: _tensor_change(p, "k", p["k"].half()), TypeError, "k has dtype"),
     ("v_sum dtype", lambda p: _tensor_change(p, "v_sum", p["v_sum"].double()), TypeError, "v_sum has dtype"),

@@ -3,6 +3,10 @@ window covers the sequence), generation through an EvaCache (prefill + single- a
 reproduces the full-sequence forward at every position, gradients reach every parameter on the
 reference backend, and `from_llama` reproduces a transformers Llama attention layer (where
 transformers is installed)."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -145,6 +149,18 @@ def test_bad_arguments():
         layer(torch.randn(1, 3, 5))
     with pytest.raises(ValueError, match="lengths"):
         layer(torch.randn(1, 3, 8), lengths=torch.tensor([2]))
+
+
+def test_nn_is_reached_from_the_package():
+    """`import flashswitch as fs; fs.nn.EvaAttention` works without `import flashswitch.nn`, and the plain
+    import does not load the layers (a fresh process: this one has imported them already)."""
+    code = ("import sys, flashswitch as fs\n"
+            "assert 'flashswitch.nn' not in sys.modules, 'import flashswitch loaded flashswitch.nn'\n"
+            "assert fs.nn.EvaAttention.__name__ == 'EvaAttention'\n"
+            "assert not hasattr(fs, 'no_such_name')\n")
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 # ---------------------------------------------------------------- transformers (optional)

@@ -13,7 +13,7 @@ from flashswitch.cache import MASKED, EvaCache
 from flashswitch.nn._projections import qkv_projection
 from flashswitch.nn.rotary import Rotary
 from flashswitch.ops.chunk_summaries import chunk_summaries
-from flashswitch.ops.eva_attention import WINDOWS, eva_attention
+from flashswitch.ops.eva_attention import check_window, eva_attention
 
 SUMMARIES = ("mean", "weighted")
 SUMMARY_BIASES = (None, "log_count", "off")
@@ -49,13 +49,7 @@ class EvaAttention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         head_dim = hidden_size // num_heads if head_dim is None else C.check_positive_int("head_dim", head_dim)
-        C.check_positive_int("chunk_size", chunk_size)
-        C.check_positive_int("window_size", window_size)
-        if window_size % chunk_size:
-            raise ValueError(f"window_size must be a multiple of chunk_size, got window_size={window_size}, "
-                             f"chunk_size={chunk_size}")
-        if window not in WINDOWS:
-            raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
+        check_window(chunk_size, window_size, window)
         if summaries not in SUMMARIES:
             raise ValueError(f"summaries must be one of {SUMMARIES}, got {summaries!r}")
         if summary_bias not in SUMMARY_BIASES:

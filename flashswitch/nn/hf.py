@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flashswitch.cache import EvaCache
 from flashswitch.ops.chunk_summaries import chunk_summaries
-from flashswitch.ops.eva_attention import WINDOWS, eva_attention
+from flashswitch.ops.eva_attention import check_window, eva_attention
 
 ATTN_NAME = "fs_eva"  # no "flash" in it: transformers takes such names for flash-attention kernels
 _LAYER_TAG = "_flashswitch_eva_layer"  # attribute of the key tensor that `update` returns
@@ -73,9 +73,9 @@ def use_eva(model, *, chunk_size: int, window_size: int, window: str = "block", 
     """Switch every attention layer of a transformers model to EVA (in place; returns the model).
     summaries="weighted" adds learnable `eva_key_weight` and `eva_omega` [Hkv, D] (zeros) to each
     attention module that has a `layer_idx`, for fine-tuning."""
-    if window_size % chunk_size or window not in WINDOWS or summaries not in ("mean", "weighted"):
-        raise ValueError(f"need window_size % chunk_size == 0, window in {WINDOWS}, summaries 'mean' or 'weighted'; "
-                         f"got {window_size}, {chunk_size}, {window!r}, {summaries!r}")
+    check_window(chunk_size, window_size, window)
+    if summaries not in ("mean", "weighted"):
+        raise ValueError(f"summaries must be 'mean' or 'weighted', got {summaries!r}")
     register()
     cfg = model.config
     cfg.eva_chunk_size, cfg.eva_window_size, cfg.eva_window = chunk_size, window_size, window

@@ -170,9 +170,13 @@ _eva_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def check_window(chunk_size, window_size, window) -> None:
-    """chunk_size and window_size positive ints with window_size % chunk_size == 0; window a known kind."""
+    """chunk_size and window_size positive ints, window_size >= chunk_size and a multiple of it (SPEC.md,
+    "Op 2"); window a known kind."""
     C.check_positive_int("chunk_size", chunk_size)
     C.check_positive_int("window_size", window_size)
+    if window_size < chunk_size:
+        raise ValueError(f"window_size must be >= chunk_size (and a multiple of it), got "
+                         f"window_size={window_size}, chunk_size={chunk_size}")
     if window_size % chunk_size:
         raise ValueError(f"window_size must be a multiple of chunk_size, got window_size={window_size}, "
                          f"chunk_size={chunk_size}")
@@ -187,6 +191,9 @@ def _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, sum
         C.check_tensor(name, t, ndim=4, device=q.device)
         if t.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+    for name, t, ref_name, ref in (("k", k, "q", q), ("v", v, "k", k), ("k_sum", k_sum, "k", k),
+                                   ("v_sum", v_sum, "k_sum", k_sum)):
+        C.check_head_dim(name, t, ref_name, ref)
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     C.check_shape("k", k, (B, Hkv, Nk, D))

@@ -21,7 +21,7 @@ def _check_window(chunk_size: int, window_size: int, window: str) -> None:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if window_size < chunk_size or window_size % chunk_size:
-        raise ValueError(f"window_size must be a multiple of chunk_size >= chunk_size, got "
+        raise ValueError(f"window_size must be >= chunk_size and a multiple of it, got "
                          f"window_size={window_size}, chunk_size={chunk_size}")
 
 
