@@ -690,25 +690,25 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, *, chunk_size, window_size, sli
 
     t_last = q_offset + Nq - 1  # the last query: it sees the most keys and summaries
     n_keys, n_sums = t_last + 1, min(_window_start(t_last, C, W, sliding) // C, Nc)
-    programs = (geo["n_row_blocks"], B * (Hkv if geo["PACK_GQA"] else H))
+    grid = (geo["n_row_blocks"], B * (Hkv if geo["PACK_GQA"] else H), splits)
+    scalars = (H, Hkv, G, Nq, Nk, Nc, D, C, W, q_offset, geo["rows"], geo["n_row_blocks"], splits,
+               q.stride(0), q.stride(1), q.stride(2),
+               k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2),
+               k_sum.stride(0), k_sum.stride(1), k_sum.stride(2),
+               v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
+               sb[0], sb[1], sb[2],
+               so[0], so[1], so[2], so[3],
+               sl[0], sl[1], sl[2], sl[3],
+               _qk_scale(scale), -1.0 if float(scale) < 0 else 1.0)
     options = dict(num_warps=geo["num_warps"], num_stages=geo["num_stages"], **geo["launch"])
 
     def fwd_call(tma: bool) -> KernelCall:
-        scalars = (H, Hkv, G, Nq, Nk, Nc, D, C, W, q_offset, geo["rows"], geo["n_row_blocks"], splits,
-                   q.stride(0), q.stride(1), q.stride(2),
-                   k.stride(0), k.stride(1), k.stride(2),
-                   v.stride(0), v.stride(1), v.stride(2),
-                   k_sum.stride(0), k_sum.stride(1), k_sum.stride(2),
-                   v_sum.stride(0), v_sum.stride(1), v_sum.stride(2),
-                   sb[0], sb[1], sb[2],
-                   so[0], so[1], so[2], so[3],
-                   sl[0], sl[1], sl[2], sl[3],
-                   _qk_scale(scale), -1.0 if float(scale) < 0 else 1.0)
-        return KernelCall(_eva_fwd, programs + (splits,), 8, scalars, dict(
+        return KernelCall(_eva_fwd, grid, 8, scalars, dict(
             SLIDING=bool(sliding), PACK_GQA=geo["PACK_GQA"], BIAS_MODE=bias_mode, EVEN_D=D == geo["BLOCK_D"],
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NEG_Q=float(scale) < 0, Q_REG=geo["Q_REG"],
-            FUSE=geo["FUSE"], TMA=tma, BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"],
-            BLOCK_D=geo["BLOCK_D"]), options, fast=fast)
+            FUSE=geo["FUSE"], TMA=tma, BLOCK_M=geo["BLOCK_M"], BLOCK_N=geo["BLOCK_N"], BLOCK_D=geo["BLOCK_D"]),
+            options, fast=fast)
 
     fwd = fwd_call(False)
     tma = geo["TMA"]  # descriptors where this call's tensors take them (_tma_operands), else pointers
