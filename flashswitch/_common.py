@@ -107,40 +107,6 @@ def available_backends(device: torch.device) -> list[str]:
     return [b for b in BACKENDS if backend_available(b, device)]
 
 
-def resolve_backend(op: str, backend: str, device: torch.device, bucket: Optional[dict]) -> str:
-    """Turn `backend` ('auto' or a name) into a backend that can run here, or raise."""
-    items = None if bucket is None else tuple(sorted(bucket.items()))
-    return _resolve_backend(op, backend, str(device), items)
-
-
-@torch.compiler.assume_constant_result  # imports and file reads: torch.compile takes the answer as a constant
-def _resolve_backend(op: str, backend: str, device: str, bucket: Optional[tuple]) -> str:
-    device = torch.device(device)
-    bucket = None if bucket is None else dict(bucket)
-    if backend == "auto":
-        backend = (env_get(BACKEND_ENV) or "auto").strip() or "auto"
-        if backend != "auto" and backend not in BACKENDS:
-            raise ValueError(f"environment variable {BACKEND_ENV}={backend!r} is not a backend; expected one of "
-                             f"{BACKENDS} or 'auto'")
-    if backend == "auto":
-        if device.type != "cuda":
-            return "reference"
-        from flashswitch.autotune import store
-        best = store.best_backend(op, bucket) if bucket is not None else None
-        if best is not None and backend_available(best, device):
-            return best
-        for candidate in KERNEL_BACKENDS:
-            if backend_available(candidate, device):
-                return candidate
-        return "reference"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {backend!r}")
-    if not backend_available(backend, device):
-        raise ValueError(f"backend {backend!r} is not available for tensors on {device} "
-                         f"(available: {available_backends(device)}; see `flashswitch info`)")
-    return backend
-
-
 def eager_fast_path(*tensors) -> bool:
     """Whether an op call may skip its torch.library custom op and call the backend directly: eager
     (not traced, no functorch transform, no forward-mode AD level), plain tensors, needing no autograd.

@@ -131,6 +131,39 @@ def check_state() -> None:
 
 
 # ---------------------------------------------------------------- configs
+def resolve_backend(op: str, backend: str, device: torch.device, bucket: Optional[dict]) -> str:
+    """Turn `backend` ('auto' or a name) into a backend that can run here, or raise."""
+    items = None if bucket is None else tuple(sorted(bucket.items()))
+    return _resolve_backend(op, backend, str(device), items)
+
+
+@torch.compiler.assume_constant_result  # imports and file reads: torch.compile takes the answer as a constant
+def _resolve_backend(op: str, backend: str, device: str, bucket: Optional[tuple]) -> str:
+    device = torch.device(device)
+    bucket = None if bucket is None else dict(bucket)
+    if backend == "auto":
+        backend = (C.env_get(C.BACKEND_ENV) or "auto").strip() or "auto"
+        if backend != "auto" and backend not in C.BACKENDS:
+            raise ValueError(f"environment variable {C.BACKEND_ENV}={backend!r} is not a backend; expected one of "
+                             f"{C.BACKENDS} or 'auto'")
+    if backend == "auto":
+        if device.type != "cuda":
+            return "reference"
+        best = store.best_backend(op, bucket) if bucket is not None else None
+        if best is not None and C.backend_available(best, device):
+            return best
+        for candidate in C.KERNEL_BACKENDS:
+            if C.backend_available(candidate, device):
+                return candidate
+        return "reference"
+    if backend not in C.BACKENDS:
+        raise ValueError(f"backend must be one of {C.BACKENDS} or 'auto', got {backend!r}")
+    if not C.backend_available(backend, device):
+        raise ValueError(f"backend {backend!r} is not available for tensors on {device} "
+                         f"(available: {C.available_backends(device)}; see `flashswitch info`)")
+    return backend
+
+
 def complete_config(table: str, backend: str, feats: dict, cfg: Optional[Mapping]) -> dict:
     """`cfg` with the heuristic default under it when it lacks a key the launcher requires
     (schema.REQUIRED_KEYS; tables without required keys, the backward ones, take it as it is)."""

@@ -289,8 +289,7 @@ def _shapes(problem: dict) -> str:
 
 def cmd_demo(args) -> int:
     import torch
-    from flashswitch import _common as C
-    from flashswitch import registry
+    from flashswitch import call_plan, registry
     from flashswitch.testing import assert_close, rel_error, rule_dtype
 
     con = _console()
@@ -306,7 +305,7 @@ def cmd_demo(args) -> int:
         problem = spec.random_problem(**spec.demo_case, dtype=dt, device=device, seed=args.seed)
         bucket = spec.features(problem) if device.type == "cuda" else None
         try:
-            auto = C.resolve_backend(spec.name, "auto", device, bucket)
+            auto = call_plan.resolve_backend(spec.name, "auto", device, bucket)
         except Exception as err:
             auto = f"? ({err})"
         con.print(f"\n[bold]{spec.name}[/bold]  {registry.describe(spec.demo_case)}")

@@ -112,7 +112,7 @@ def test_hit_skips_checks_backend_choice_and_lookup(op, monkeypatch):
         return wrapper
 
     monkeypatch.setattr(module, "_validate", counting("validate", module._validate))
-    monkeypatch.setattr(C, "resolve_backend", counting("resolve", C.resolve_backend))
+    monkeypatch.setattr(call_plan, "resolve_backend", counting("resolve", call_plan.resolve_backend))
     monkeypatch.setattr(space, "features", counting("features", space.features))
     monkeypatch.setattr(store, "lookup", counting("lookup", store.lookup))
     rt = flashswitch.route(p["expert_idx"], p["num_experts"]) if op == "expert_matmul" else None

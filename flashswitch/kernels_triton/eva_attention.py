@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from flashswitch._common import new_output, next_pow2
+from flashswitch.kernels_triton.eva_tiles import _qk_scale, _start, _tile_blocks, _window_start
 from flashswitch.kernels_triton.kernel_call import KernelCall
 
 try:  # Triton >= 3.4
@@ -58,39 +59,10 @@ try:  # Triton >= 3.4
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
-LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 MAX_GRID_Y = 65535  # CUDA's limit on grid axes 1 and 2
 
 BIAS_NONE, BIAS_TENSOR, BIAS_LOG_COUNT = 0, 1, 2
-
-
-@triton.jit
-def _start(t, C, W, SLIDING: tl.constexpr):
-    """First exact key of position t (int tensor or scalar, t >= 0)."""
-    if SLIDING:
-        s = (tl.maximum(t - W + 1, 0) // C) * C
-    else:
-        s = (t // W) * W
-    return s
-
-
-@triton.jit
-def _tile_blocks(t_min, t_max, C, W, Nc, SLIDING: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The key blocks of a tile whose queries sit at positions t_min..t_max: summaries [0, nb_s) (no
-    mask below nb_s_full), then nb_e blocks of exact keys from st_min: [0, e_a) masked, [e_a, e_b)
-    unmasked, [e_b, nb_e) masked. (st_min, c_hi, nb_s_full, nb_s, nb_e, e_a, e_b); c_hi: the
-    summaries any query of the tile sees. Shared with the Gluon kernel."""
-    st_min = _start(t_min, C, W, SLIDING)
-    st_max = _start(t_max, C, W, SLIDING)
-    c_full = tl.minimum(st_min // C, Nc)
-    c_hi = tl.minimum(st_max // C, Nc)
-    nb_s_full = c_full // BLOCK_N
-    nb_s = tl.cdiv(c_hi, BLOCK_N)
-    nb_e = tl.cdiv(t_max + 1 - st_min, BLOCK_N)
-    e_a = tl.cdiv(st_max - st_min, BLOCK_N)
-    e_b = tl.maximum(e_a, (t_min + 1 - st_min) // BLOCK_N)
-    return st_min, c_hi, nb_s_full, nb_s, nb_e, e_a, e_b
 
 
 @triton.jit
@@ -537,11 +509,6 @@ def _register_cap(cfg: dict, block_m: int, block_n: int, block_d: int, itemsize:
     return {"maxnreg": cap}
 
 
-def _window_start(t: int, C: int, W: int, sliding: bool) -> int:
-    """start(t) of the SPEC on the host: the first exact key position t sees."""
-    return (max(t - W + 1, 0) // C) * C if sliding else (t // W) * W
-
-
 def _visible_blocks(t: int, C: int, W: int, sliding: bool, Nc: int, block_n: int) -> int:
     start = _window_start(t, C, W, sliding)
     return -(-min(start // C, Nc) // block_n) + -(-(W + C) // block_n)
@@ -614,14 +581,6 @@ def _tma_operands(geo: dict, q, k, v, k_sum, v_sum, n_keys: int, n_sums: int):
     else:
         descs = [_row_descriptor(t, bn, bd) for t in (k, v, k_sum, v_sum)]
     return None if any(d is None for d in descs) else descs
-
-
-def _qk_scale(scale: float) -> float:
-    """|scale| log2(e) for the kernel (a negative scale negates q instead). Scale 0 runs as 1e-30: the
-    masked logits are -inf before the scale multiplies them, which must keep them -inf; a visible logit
-    q.k below 1e12 in magnitude then becomes one below 1e-18, whose exp2 rounds to 1 in fp32 as exp2(0)
-    does."""
-    return abs(float(scale)) * LOG2E or 1e-30
 
 
 def _nothing(*tensors) -> None:

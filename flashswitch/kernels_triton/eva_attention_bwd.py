@@ -36,10 +36,10 @@ import triton.language as tl
 from flashswitch._common import new_output
 from flashswitch.kernels_triton.eva_attention import (BIAS_LOG_COUNT, BIAS_NONE, BIAS_TENSOR, MAX_GRID_Y,
                                                       MAX_HEAD_DIM, _add_summary_bias, _load_kv, _load_kv_block,
-                                                      _nothing, _start, _tile_blocks)
+                                                      _nothing)
+from flashswitch.kernels_triton.eva_tiles import LOG2E, _start, _tile_blocks
 from flashswitch.kernels_triton.kernel_call import KernelCall
 
-LOG2E = 1.4426950408889634
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M_DQ", "BLOCK_N_DQ", "num_warps_dq",
                "num_stages_dq")
 

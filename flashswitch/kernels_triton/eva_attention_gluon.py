@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashswitch._common import triton_interpret
-from flashswitch.kernels_triton.eva_attention import _qk_scale, _start, _tile_blocks, _window_start
+from flashswitch.kernels_triton.eva_tiles import _qk_scale, _start, _tile_blocks, _window_start
 
 BLOCK_M = gl.constexpr(128)  # rows per program: two consumer warpgroups of 64 rows
 

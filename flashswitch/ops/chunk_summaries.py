@@ -343,7 +343,7 @@ def _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend) -> _Plan:
     bucket = _features(k, chunk_size, key_weight, valid) if k.is_cuda else None
     if k.shape[-1] > MAX_KERNEL_D and backend == "auto":
         backend = "reference"
-    backend = C.resolve_backend(OP, backend, k.device, bucket)
+    backend = call_plan.resolve_backend(OP, backend, k.device, bucket)
     if backend != "reference" and k.shape[-1] > MAX_KERNEL_D:
         raise ValueError(f"k has head dim D={k.shape[-1]}; the {backend} kernels support D <= {MAX_KERNEL_D} "
                          f"(use backend='reference')")

@@ -399,7 +399,7 @@ def _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary
     scale, q_offset, bias, log_count = _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
                                                  summary_bias, q_offset)
     bucket = _features(q, k, chunk_size, window_size, window) if q.is_cuda else None
-    backend = C.resolve_backend(OP, backend, q.device, bucket)
+    backend = call_plan.resolve_backend(OP, backend, q.device, bucket)
     config = enqueue = None
     if backend != "reference" and q.shape[0] * q.shape[1] * q.shape[2] and not torch.compiler.is_compiling():
         config = call_plan.config(OP, backend, bucket or _features(q, k, chunk_size, window_size, window))

@@ -542,7 +542,7 @@ def _plan(x, route, weight, gates, out_groups, deterministic, backend) -> _Plan:
     G_in, G_out = _validate(x, route, weight, gates, out_groups, deterministic)
     x3 = _x3(x)
     bucket = _features(x3, weight, route.S, G_out, deterministic) if x.is_cuda else None
-    backend = C.resolve_backend(OP, backend, x.device, bucket)
+    backend = call_plan.resolve_backend(OP, backend, x.device, bucket)
     config = enqueue = None
     if backend != "reference" and x.shape[0] * weight.shape[2] and not torch.compiler.is_compiling():
         config = call_plan.config(OP, backend, bucket or _features(x3, weight, route.S, G_out, deterministic))
