@@ -5,16 +5,17 @@ Bytes counted per call: k and v read once, k_sum and v_sum written once, lse (fp
 import pytest
 
 from common import BACKENDS, bench_op, shape_id, unique
+from flashswitch import registry
 
 OP = "chunk_summaries"
-ISSUE_SHAPES = [dict(B=1, H=16, N=32768, D=128, C=16), dict(B=2, H=16, N=8192, D=128, C=16)]
+HEADLINE = list(registry.CHUNK_SUMMARIES_SHAPES.values())
 SWEEP = [dict(B=1, H=16, N=n, D=128, C=16) for n in (2048, 4096, 8192, 16384, 32768, 65536)]
-SHAPES = unique(ISSUE_SHAPES + SWEEP)
+SHAPES = unique(HEADLINE + SWEEP)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_chunk_summaries(benchmark, shape, backend):
-    if backend == "compiled" and shape not in ISSUE_SHAPES:
+    if backend == "compiled" and shape not in HEADLINE:
         pytest.skip("torch.compile'd reference: issue shapes only (one compile per shape)")
     bench_op(benchmark, OP, shape, backend, dtype="bf16")

@@ -21,21 +21,16 @@ import pytest
 
 from baselines import FlexEva, Unsupported, cat_sdpa_decode, sdpa_causal
 from common import bench_op, shape_id, unique
+from flashswitch import registry
 
 OP = "eva_attention"
 REFERENCE_MAX_N = 8192  # the reference materialises [Nq, Nk + Nc] logits
 
-ISSUE_SHAPES = {
-    "block_d128": dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=16, W=2048, window="block"),
-    "block_d64_b2": dict(B=2, H=16, Hkv=16, Nk=16384, D=64, C=16, W=2048, window="block"),
-    "sliding_w256": dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=32, W=256, window="sliding"),
-    # one query at position 32767 (q_offset defaults to Nk - Nq)
-    "decode": dict(B=32, H=16, Hkv=16, Nq=1, Nk=32768, D=128, C=32, W=256, window="block"),
-}
+HEADLINE = registry.EVA_ATTENTION_SHAPES
 SWEEP = [dict(B=1, H=16, Hkv=16, Nk=n, D=128, C=16, W=2048, window="block")
          for n in (4096, 8192, 16384, 32768, 65536)]
-SHAPES = unique(list(ISSUE_SHAPES.values()) + SWEEP)
-LABELS = {shape_id(s): name for name, s in ISSUE_SHAPES.items()}
+SHAPES = unique(list(HEADLINE.values()) + SWEEP)
+LABELS = {shape_id(s): name for name, s in HEADLINE.items()}
 BACKENDS = ("triton", "cuda", "cupy", "flex", "flex_nocat", "sdpa_causal", "cat_sdpa_decode", "reference")
 
 _FLEX: dict = {"key": None, "flex": None}

@@ -15,17 +15,14 @@ import pytest
 from baselines import flex_fwd_bwd, sdpa_causal_fwd_bwd
 from bench_eva_attention import _compiled_or_unsupported, _flex_for
 from common import bench_op, shape_id, unique
+from flashswitch import registry
 
 OP = "eva_attention.bwd"
 REFERENCE_MAX_N = 4096
-ISSUE_SHAPES = {
-    "block_d128": dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=16, W=2048, window="block"),
-    "block_d64_b2": dict(B=2, H=16, Hkv=16, Nk=16384, D=64, C=16, W=2048, window="block"),
-    "sliding_w256": dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=32, W=256, window="sliding"),
-}
+HEADLINE = {n: s for n, s in registry.EVA_ATTENTION_SHAPES.items() if n != "decode"}
 SWEEP = [dict(B=1, H=16, Hkv=16, Nk=n, D=128, C=16, W=2048, window="block") for n in (4096, 8192, 16384, 65536)]
-SHAPES = unique(list(ISSUE_SHAPES.values()) + SWEEP)
-LABELS = {shape_id(s): name for name, s in ISSUE_SHAPES.items()}
+SHAPES = unique(list(HEADLINE.values()) + SWEEP)
+LABELS = {shape_id(s): name for name, s in HEADLINE.items()}
 BACKENDS = ("triton", "flex", "sdpa_causal", "reference")
 
 

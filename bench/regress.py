@@ -72,26 +72,18 @@ class Case:
         return {"route": "expert_matmul"}.get(self.op, self.op)
 
 
-OP1 = dict(B=1, H=16, N=32768, D=128, C=16)
+# the headline shapes (registry), and tiny ones of the same kinds for --smoke
+OP1 = registry.CHUNK_SUMMARIES_SHAPES["n32768"]
 OP1_SMOKE = dict(B=1, H=2, N=64, D=32, C=16)
-OP2 = {  # the shapes: bf16, q_offset default (Nq = Nk), summary_bias default
-    "block_d128": dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=16, W=2048, window="block"),
-    "block_d64_b2": dict(B=2, H=16, Hkv=16, Nk=16384, D=64, C=16, W=2048, window="block"),
-    "sliding_w256": dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=32, W=256, window="sliding"),
-}
+OP2 = {n: s for n, s in registry.EVA_ATTENTION_SHAPES.items() if n != "decode"}  # q_offset, bias: defaults
 OP2_SMOKE = {
     "block_d128": dict(B=1, H=2, Hkv=2, Nk=64, D=32, C=8, W=32, window="block"),
     "block_d64_b2": dict(B=2, H=2, Hkv=1, Nk=48, D=16, C=8, W=16, window="block"),
     "sliding_w256": dict(B=1, H=2, Hkv=2, Nk=64, D=32, C=8, W=16, window="sliding"),
 }
-DECODE = dict(B=32, H=16, Hkv=16, Nq=1, Nk=32768, D=128, C=32, W=256, window="block")  # one query at 32767
+DECODE = registry.EVA_ATTENTION_SHAPES["decode"]
 DECODE_SMOKE = dict(B=2, H=2, Hkv=2, Nq=1, Nk=64, D=32, C=8, W=32, window="block")
-OP3 = {  # registry.EXPERT_MATMUL.bench_shapes, T = 16384
-    "switchhead262m_v": dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True),
-    "switchhead262m_o": dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True),
-    "sigma_moe_up": dict(T=16384, S=8, E=512, d_in=1024, d_out=128, G_out=8, gated=False),
-    "sigma_moe_down": dict(T=16384, S=8, E=512, d_in=128, d_out=1024, G_in=8, G_out=1, gated=True),
-}
+OP3 = registry.EXPERT_MATMUL_SHAPES
 OP3_SMOKE = {
     "switchhead262m_v": dict(T=8, S=4, E=4, d_in=32, d_out=16, G_out=2, gated=True),
     "switchhead262m_o": dict(T=8, S=4, E=4, d_in=16, d_out=32, G_in=2, G_out=1, gated=True),

@@ -183,6 +183,12 @@ def _chunk_summaries_cost(p: dict) -> dict:
     return {"bytes": read + written}
 
 
+# the headline shapes of each op, by name: the bench suite's tables, the regression gate and the issues
+CHUNK_SUMMARIES_SHAPES = {
+    "n32768": dict(B=1, H=16, N=32768, D=128, C=16),
+    "b2_n8192": dict(B=2, H=16, N=8192, D=128, C=16),
+}
+
 CHUNK_SUMMARIES = OpSpec(
     name="chunk_summaries",
     ops_module="flashswitch.ops.chunk_summaries",
@@ -199,10 +205,7 @@ CHUNK_SUMMARIES = OpSpec(
         dict(B=1, H=1, N=0, D=16, C=4),
     ),
     demo_case=dict(B=1, H=4, N=256, D=64, C=16, omega="head"),
-    bench_shapes=(
-        dict(B=1, H=16, N=32768, D=128, C=16),
-        dict(B=2, H=16, N=8192, D=128, C=16),
-    ),
+    bench_shapes=tuple(CHUNK_SUMMARIES_SHAPES.values()),
     bench_x="N",
     bench_rotate=True,
 )
@@ -271,6 +274,14 @@ def eva_reference_blocked(q, k, v, k_sum, v_sum, *, chunk_size, window_size, win
     return (o, lse) if return_lse else o
 
 
+EVA_ATTENTION_SHAPES = {
+    "block_d128": dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=16, W=2048, window="block"),
+    "block_d64_b2": dict(B=2, H=16, Hkv=16, Nk=16384, D=64, C=16, W=2048, window="block"),
+    "sliding_w256": dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=32, W=256, window="sliding"),
+    # one query at position 32767 (q_offset defaults to Nk - Nq)
+    "decode": dict(B=32, H=16, Hkv=16, Nq=1, Nk=32768, D=128, C=32, W=256, window="block"),
+}
+
 EVA_ATTENTION = OpSpec(
     name="eva_attention",
     ops_module="flashswitch.ops.eva_attention",
@@ -288,12 +299,7 @@ EVA_ATTENTION = OpSpec(
         dict(B=1, H=2, Hkv=2, Nk=0, D=16, C=4, W=8),
     ),
     demo_case=dict(B=1, H=4, Hkv=2, Nk=128, D=32, C=8, W=32),
-    bench_shapes=(
-        dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=16, W=2048, window="block"),
-        dict(B=2, H=16, Hkv=16, Nk=16384, D=64, C=16, W=2048, window="block"),
-        dict(B=1, H=16, Hkv=16, Nk=32768, D=128, C=32, W=256, window="sliding"),
-        dict(B=32, H=16, Hkv=16, Nq=1, Nk=32768, D=128, C=32, W=256, window="block"),
-    ),
+    bench_shapes=tuple(EVA_ATTENTION_SHAPES.values()),
     bench_x="Nk",
     bench_compare=("flex", "sdpa_causal"),
     bench_plot={"kind": "speedup", "over": "sdpa_causal"},
@@ -319,6 +325,13 @@ def _expert_matmul_reference_args(p: dict) -> dict:
     return {k: v for k, v in p.items() if k not in ("num_experts", "deterministic")}
 
 
+EXPERT_MATMUL_SHAPES = {  # the papers' 262M models at T = 16384 tokens
+    "switchhead262m_v": dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True),
+    "switchhead262m_o": dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True),
+    "sigma_moe_up": dict(T=16384, S=8, E=512, d_in=1024, d_out=128, G_out=8, gated=False),
+    "sigma_moe_down": dict(T=16384, S=8, E=512, d_in=128, d_out=1024, G_in=8, G_out=1, gated=True),
+}
+
 EXPERT_MATMUL = OpSpec(
     name="expert_matmul",
     ops_module="flashswitch.ops.expert_matmul",
@@ -336,12 +349,7 @@ EXPERT_MATMUL = OpSpec(
         dict(T=0, S=2, E=3, d_in=8, d_out=8),
     ),
     demo_case=dict(T=64, S=4, E=8, d_in=64, d_out=32, G_out=2),
-    bench_shapes=(
-        dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True),
-        dict(T=16384, S=8, E=16, d_in=112, d_out=1024, G_in=4, G_out=1, gated=True),
-        dict(T=16384, S=8, E=512, d_in=1024, d_out=128, G_out=8, gated=False),
-        dict(T=16384, S=8, E=512, d_in=128, d_out=1024, G_in=8, G_out=1, gated=True),
-    ),
+    bench_shapes=tuple(EXPERT_MATMUL_SHAPES.values()),
     bench_x="T",
     bench_compare=("grouped_mm_pipeline",),
     bench_roof="dense_equal_macs",

@@ -91,12 +91,11 @@ def test_regress_needs_a_gpu_without_smoke(tmp_path, monkeypatch, capsys):
     assert not list(tmp_path.iterdir())
 
 
-def test_regress_cases_match_the_registry():
-    """The gate's op 2 and op 3 shapes are the bench suite's headline ones."""
-    from flashswitch import registry
-    assert list(regress.OP2.values()) + [regress.DECODE] == list(registry.EVA_ATTENTION.bench_shapes)
-    assert list(regress.OP3.values()) == list(registry.EXPERT_MATMUL.bench_shapes)
-    assert regress.OP1 == registry.CHUNK_SUMMARIES.bench_shapes[0]
+def test_regress_smoke_shapes_cover_the_headline_ones():
+    """Every headline case has its tiny --smoke stand-in (the shapes themselves come from the registry)."""
     assert set(regress.OP2) == set(regress.OP2_SMOKE) and set(regress.OP3) == set(regress.OP3_SMOKE)
+
+
+def test_regress_worktrees_are_ignored():
     proc = subprocess.run(["git", "check-ignore", "-q", ".regress/x"], cwd=ROOT)
     assert proc.returncode == 0  # the default worktree folder stays out of `git status`
