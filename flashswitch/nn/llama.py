@@ -318,8 +318,8 @@ class DecoderBlock(nn.Module):
 class LlamaLM(nn.Module):
     """Pre-norm decoder: embedding, num_layers DecoderBlocks, final RMSNorm, logits (the embedding
     matrix when tie_embeddings). attention "sdpa" (exact; `decode` picks the StaticKVCache step kernel)
-    or "eva" (EvaAttention with chunk_size, window_size, window, summary_bias, backend). Weights are drawn by
-    `init_weights(seed)` (N(0, 0.02), norms 1) and depend only on the parameter names and the seed,
+    or "eva" (EvaAttention with chunk_size, window_size, window, summaries, summary_bias, backend).
+    Weights are drawn by `init_weights(seed)` (N(0, 0.02), norms 1) and depend only on the parameter names and the seed,
     so two models of one config and seed are equal whatever their attention."""
 
     def __init__(self, cfg: LlamaConfig, *, attention: str = "sdpa", seed: int = 0, device=None, dtype=None,
@@ -336,8 +336,8 @@ class LlamaLM(nn.Module):
         self.attention = attention
         self.init_weights(seed)
 
-    def _attention(self, attention: str, *, chunk_size=None, window_size=None, window="block", summary_bias=None,
-                   backend="auto", decode="masked") -> nn.Module:
+    def _attention(self, attention: str, *, chunk_size=None, window_size=None, window="block", summaries="mean",
+                   summary_bias=None, backend="auto", decode="masked") -> nn.Module:
         cfg = self.cfg
         heads = dict(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope_base=cfg.rope_base, **self._kw)
         if attention == "sdpa":
@@ -346,7 +346,8 @@ class LlamaLM(nn.Module):
             if chunk_size is None or window_size is None:
                 raise ValueError("attention='eva' needs chunk_size and window_size")
             return EvaAttention(cfg.hidden_size, cfg.num_heads, chunk_size=chunk_size, window_size=window_size,
-                                window=window, summary_bias=summary_bias, backend=backend, **heads)
+                                window=window, summaries=summaries, summary_bias=summary_bias, backend=backend,
+                                **heads)
         raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
 
     @torch.no_grad()
