@@ -144,3 +144,34 @@ def test_unpermute_inverts_llama_cpps_rotary_permutation():
     w = torch.randn(heads * D, d)
     in_file = w.reshape(heads, 2, D // 2, d).transpose(1, 2).reshape(heads * D, d)
     assert torch.equal(pretrained.unpermute_rotary_rows(in_file, heads), w)
+
+
+@pytest.mark.parametrize("window", ["block", "sliding"])
+def test_transformers_with_eva_generates_the_flashswitch_tokens(loaded, hf_dir_file, prompt_ids, window):
+    """hf.use_eva + EvaHFCache on transformers' model of the same file: the same greedy tokens as
+    flashswitch's LlamaLM with the same EVA settings (summaries in use: the prompt is past the window).
+    fp32, on the GPU where there is one."""
+    from transformers import AutoModelForCausalLM
+
+    from flashswitch.nn import hf
+    from flashswitch.nn.generate import greedy
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = "auto" if device == "cuda" else "reference"  # the interpreter would take minutes on 30 layers
+    settings = dict(chunk_size=4, window_size=8, window=window, summary_bias="log_count")
+    new = 12
+    model = loaded[0]
+    try:
+        model.to(device).set_attention("eva", backend=backend, **settings)
+        with torch.no_grad():
+            ours = greedy(model, [prompt_ids[0].tolist()], new, graph=False).tokens
+    finally:
+        model.set_attention("sdpa").to("cpu")
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir_file[0], gguf_file=hf_dir_file[1], dtype=torch.float32)
+    hf.use_eva(ref.to(device), backend=backend, **settings)
+    cache = hf.EvaHFCache(ref.config, max_cache_len=prompt_ids.shape[1] + new + 1)
+    with torch.no_grad():
+        out = ref.generate(prompt_ids.to(device), max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                           pad_token_id=loaded[1].pad_id or 0, **{hf.cache_kwarg(ref): cache})
+    theirs = out[:, prompt_ids.shape[1]:]
+    print(f"{window}: flashswitch {ours.tolist()} transformers {theirs.tolist()}", file=sys.stderr)
+    assert torch.equal(ours.cpu(), theirs.cpu())
