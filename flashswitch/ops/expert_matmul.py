@@ -153,7 +153,8 @@ def route(expert_idx: torch.Tensor, num_experts: int, *, check: bool = True) -> 
         if lo < 0 or hi >= E:
             raise ValueError(f"expert_idx values {lo}..{hi} out of range [0, num_experts) = [0, {E})")
 
-    if dev.type == "cuda" and _device_route_wanted() and not torch.compiler.is_compiling():
+    # is_compiling first: the availability check imports the extension, which a traced graph cannot
+    if dev.type == "cuda" and not torch.compiler.is_compiling() and _device_route_wanted():
         token, slot, offsets = torch.ops.flashswitch_C.route_fwd(expert_idx, E)  # one call, no sync
     else:
         token, slot, offsets = _torch_route(expert_idx, E, clamp=not check)
