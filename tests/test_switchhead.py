@@ -122,7 +122,7 @@ def plain_sigma_moe(layer, P, x, sel_dtype=torch.float32):
 # ---------------------------------------------------------------- comparison
 CONDITIONING_FACTOR = 8  # a layer's fp32 chain rounds a few times per term, each by at most half an eps:
 # its error stays within a few times the move that a whole eps on every parameter and dy gives (on a GPU,
-# SDPA's fp32 backward of a 2-token case reached 4.8x: its delta = rowsum(dO * O) rounds once more)
+# SDPA's fp32 backward of a 2-token case went past 4x: its delta = rowsum(dO * O) rounds once more)
 
 
 def _run_plain(plain, layer, x, dy, dtype, params=None):
