@@ -106,6 +106,4 @@ def to_paper_style(module: torch.nn.Module) -> torch.nn.Module:
         if m.attention != "sdpa":
             raise ValueError(f"paper-style attention is SDPA attention; this layer uses {m.attention!r}")
         m.__class__ = cls
-        if cls is PaperSwitchHeadAttention:
-            m.dense_output = False  # the paper's code runs the output experts grouped (its CVMM kernel)
     return module
