@@ -182,14 +182,13 @@ def switchhead_cases(draw):
     return dict(B=draw(st.integers(1, 2)), N=draw(st.integers(1, 9)), d=draw(st.sampled_from([8, 12])),
                 H=draw(st.integers(1, 3)), D=draw(st.sampled_from([4, 6, 8])), E=E, k=draw(st.integers(1, E)),
                 attention=draw(st.sampled_from(["sdpa", "eva"])), rope=draw(st.sampled_from([0.0, 0.5, 1.0])),
-                output=draw(st.sampled_from(["grouped", "dense"])), seed=draw(st.integers(0, 999)))
+                seed=draw(st.integers(0, 999)))
 
 
 def _switchhead(c, backend):
     torch.manual_seed(c["seed"])
     layer = SwitchHeadAttention(c["d"], c["H"], c["D"], c["E"], c["k"], attention=c["attention"],
-                                rope_fraction=c["rope"], backend=backend, output_matmul=c.get("output", "auto"),
-                                device=DEVICE, **EVA).eval()
+                                rope_fraction=c["rope"], backend=backend, device=DEVICE, **EVA).eval()
     return layer, torch.randn(c["B"], c["N"], c["d"], device=DEVICE)
 
 
@@ -216,55 +215,6 @@ def test_sigma_moe_matches_plain(backend, case):
     layer = SigmaMoE(d, case["E"], case["G"], case["k"], backend=backend, device=DEVICE).eval()
     check_against_plain(layer, plain_sigma_moe, torch.randn(*case["shape"], device=DEVICE),
                         backward=backend in grad_backends())
-
-
-# ---------------------------------------------------------------- the dense output matmul
-@pytest.mark.parametrize("T, G, S, E, D, d", [(37, 4, 8, 16, 6, 10), (5, 1, 3, 4, 8, 4), (0, 2, 4, 6, 3, 5)])
-def test_dense_expert_output_matches_op3(T, G, S, E, D, d):
-    """dense_expert_output (Z [T, E D] @ the stacked weights) against op 3's reference, forward and the
-    gradients of a, gates and weight (fp64: the two sum the same products in different orders), with
-    distinct experts per token as SwitchHead's top-k gives; the output starts poisoned."""
-    from flashswitch.nn._dense_experts import dense_expert_output
-    g = torch.Generator().manual_seed(T + E)
-    a = torch.randn(T, G, D, generator=g, dtype=F64)
-    ids = torch.stack([torch.randperm(E, generator=g)[:S] for _ in range(T)]) if T else torch.zeros(0, S, dtype=torch.long)
-    gates = torch.rand(T, S, generator=g, dtype=F64)
-    w = torch.randn(E, D, d, generator=g, dtype=F64)
-    dy = torch.randn(T, d, generator=g, dtype=F64)
-
-    def plain(a, gt, w):  # each slot's own product, summed: the oracle
-        return torch.einsum("ts,tsd,tsde->te", gt, a.repeat_interleave(S // G, dim=1), w[ids.to(w.device)])
-
-    def op3(a, gt, w):
-        return expert_matmul(a, route(ids.to(a.device), E), w, gates=gt, out_groups=1, backend="reference").view(T, d)
-
-    def dense(a, gt, w):
-        return dense_expert_output(a, ids.to(a.device), gt, w)
-
-    def run(f, dtype):
-        leaves = [t.clone().to(DEVICE, dtype).requires_grad_() for t in (a, gates, w)]
-        y = f(*leaves)
-        y.backward(dy.to(DEVICE, dtype))
-        return [y.detach()] + [t.grad for t in leaves]
-
-    ref, base, out64, out32 = run(plain, F64), run(op3, torch.float32), run(dense, F64), run(dense, torch.float32)
-    for i, name in enumerate(("y", "da", "dgates", "dweight")):
-        assert out32[i].shape == ref[i].shape and torch.isfinite(out32[i]).all(), name
-        assert_close(name, out64[i], ref[i], F64)
-        assert_close(name, out32[i], ref[i], torch.float32, baseline=base[i])
-    # bf16 activations with fp32 master weights: gradient in the weight's dtype
-    wm = w.float().to(DEVICE).requires_grad_()
-    y = dense_expert_output(a.to(DEVICE, torch.bfloat16), ids.to(DEVICE), gates.float().to(DEVICE), wm)
-    assert y.dtype == torch.bfloat16
-    y.float().sum().backward()
-    assert wm.grad.dtype == torch.float32
-
-
-def test_output_matmul_auto_is_dense_for_few_experts_per_pick():
-    assert SwitchHeadAttention(8, 2, 4, 4, 2).dense_output           # the paper's 262M: E 4, k 2
-    assert SwitchHeadAttention(8, 2, 4, 5, 3).dense_output           # 47M: E 5, k 3
-    assert not SwitchHeadAttention(8, 2, 4, 16, 2).dense_output
-    assert not SwitchHeadAttention(8, 2, 4, 4, 2, output_matmul="grouped").dense_output
 
 
 # ---------------------------------------------------------------- ties, empty experts
@@ -469,7 +419,6 @@ def test_sigma_moe_entropy_regulariser():
      "eva_window_size"),
     (lambda: SwitchHeadAttention(8, 2, 4, 2, 1, expert_dropout=1.0), "expert_dropout"),
     (lambda: SwitchHeadAttention(8, 2, 4, 2, 1, eva_window="global"), "eva_window"),
-    (lambda: SwitchHeadAttention(8, 2, 4, 2, 1, output_matmul="sparse"), "output_matmul"),
     (lambda: SwitchHeadAttention(8, 2, 4, 2, 1)(torch.randn(3, 8)), "x"),
     (lambda: SigmaMoE(8, 4, 3, 5), "experts_per_token"),
     (lambda: SigmaMoE(8, 4, 3, 2)(torch.randn(3, 7)), "x"),

@@ -18,11 +18,9 @@ from flashswitch.nn._routing import (check_positive, check_probability, compute_
                                      sigmoid_top_k)
 from flashswitch.ops.chunk_summaries import chunk_summaries
 from flashswitch.ops.eva_attention import eva_attention
-from flashswitch.nn._dense_experts import dense_expert_output, dense_wanted
 from flashswitch.ops.expert_matmul import expert_matmul, route
 
 ATTENTIONS = ("sdpa", "eva")
-OUTPUT_MATMULS = ("auto", "grouped", "dense")
 _SDPA_HEAD_MULTIPLE = 8  # SDPA's flash kernels take head dims that are multiples of 8
 
 
@@ -149,9 +147,7 @@ class SwitchHeadAttention(nn.Module):
     eva_window_size, eva_window). rope_fraction: share of each head's dims rotated by RoPE (the paper's
     RoPE models rotate half; 0 turns it off). expert_dropout: probability of dropping a router score in
     training. backend: the flashswitch backend of every op the layer calls ("auto": kernels on the GPU,
-    the differentiable reference on the CPU). output_matmul: "grouped" (op 3 over the output route),
-    "dense" (nn/_dense_experts.py: a zero-filled Z of every expert's slot times all output experts, one
-    GEMM of E / k times the routed MACs, no output route) or "auto" (dense where E <= 4 k).
+    the differentiable reference on the CPU).
 
     forward(x [B, N, embed_dim]) -> [B, N, embed_dim]; no host synchronisation (routing runs with
     check=False), so it can run under torch.compile and CUDA-graph capture. Inside autocast the expert
@@ -165,8 +161,7 @@ class SwitchHeadAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, head_dim: int, num_experts: int, experts_per_head: int, *,
                  attention: str = "sdpa", rope_fraction: float = 0.5, rope_base: float = 10000.0,
                  expert_dropout: float = 0.0, eva_chunk_size: int = 64, eva_window_size: int = 256,
-                 eva_window: str = "block", backend: str = "auto", output_matmul: str = "auto", device=None,
-                 dtype=None):
+                 eva_window: str = "block", backend: str = "auto", device=None, dtype=None):
         super().__init__()
         self.embed_dim = check_positive("embed_dim", embed_dim)
         self.num_heads = check_positive("num_heads", num_heads)
@@ -193,10 +188,6 @@ class SwitchHeadAttention(nn.Module):
             raise ValueError(f"eva_window must be 'block' or 'sliding', got {eva_window!r}")
         self.eva_window = eva_window
         self.backend = backend
-        if output_matmul not in OUTPUT_MATMULS:
-            raise ValueError(f"output_matmul must be one of {OUTPUT_MATMULS}, got {output_matmul!r}")
-        self.dense_output = output_matmul == "dense" or (output_matmul == "auto"
-                                                         and dense_wanted(num_experts, experts_per_head))
         H, E, D, d = num_heads, num_experts, head_dim, embed_dim
         kw = dict(device=device, dtype=dtype)
         self.qk = nn.Parameter(torch.empty(2 * H * D, d, **kw))
@@ -216,8 +207,7 @@ class SwitchHeadAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"num_experts={self.num_experts}, experts_per_head={self.experts_per_head}, "
-                f"attention={self.attention!r}, rotary_dims={self.n_rot}, "
-                f"output_matmul={'dense' if self.dense_output else 'grouped'!r}")
+                f"attention={self.attention!r}, rotary_dims={self.n_rot}")
 
     def select(self, x2: torch.Tensor):
         """Routing of x2 [T, d]: (expert ids int64 [2, T, H k], gates fp32 [2, T, H k]) for V (index 0) and
@@ -253,12 +243,10 @@ class SwitchHeadAttention(nn.Module):
         dt = x2.dtype
         ids, gates = self.select(x2)
         v_route = route(ids[0], H * E, check=False)
+        o_route = route(ids[1], H * E, check=False)
         v_gates, o_gates = gates.unbind(0)
         v = expert_matmul(x2, v_route, matmul_weight(self.v_experts, dt), gates=v_gates, out_groups=H,
                           backend=self.backend)
-        if self.dense_output:
-            return v, lambda a: dense_expert_output(a, ids[1], o_gates, self.o_experts)
-        o_route = route(ids[1], H * E, check=False)
 
         def output(a: torch.Tensor) -> torch.Tensor:
             return expert_matmul(a, o_route, matmul_weight(self.o_experts, dt), gates=o_gates, out_groups=1,
