@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark suite, the plot script and the ceilings script.
+"""Shared pieces of bench/ops (the benchmark suite), bench/e2e and bench/tools (plot, ceilings, ...).
 
 Every benchmark case is (op, shape, backend, dtype). Backends: the kernel backends ("triton",
 "cuda", "cupy", each with its tuned or default config), "reference" (the PyTorch reference, eager),
@@ -307,7 +307,7 @@ def bench_op(benchmark, op: str, shape: dict, backend: str, dtype: str = "bf16",
 
 # ---------------------------------------------------------------- ceilings
 def load_ceilings(folder: Path) -> dict:
-    """Measured ceilings (bench/ceilings.py) or the defaults, with "source" saying which."""
+    """Measured ceilings (bench/tools/ceilings.py) or the defaults, with "source" saying which."""
     path = Path(folder) / "ceilings.json"
     try:
         data = json.loads(path.read_text())

@@ -3,7 +3,7 @@
   demo      run each op on a small problem on this machine; the default command
   info      versions, GPU, which backends can run (and why not), tuned-config files, environment
   check     every op x backend x dtype on random problems, NaN-poisoned outputs, vs the fp64 oracle
-  bench     the pytest-benchmark suite in bench/ (JSON + plot + table in bench/results/<device>/),
+  bench     the pytest-benchmark suite in bench/ops/ (JSON + plot + table in bench/results/<device>/),
             or --quick: a timing table printed here
   autotune  sweep the kernels' configs on this GPU and write the tuned-config file
   generate  greedy text from a pretrained model (flashswitch.nn.pretrained) with EVA or exact attention,
@@ -338,7 +338,7 @@ def cmd_demo(args) -> int:
 
 # ---------------------------------------------------------------- test, bench
 def _checkout_dir(name: str) -> Optional[Path]:
-    """The checkout's `name` folder (tests, bench), under the working directory or this package's tree."""
+    """The checkout's `name` folder (tests, bench/ops), under the working directory or this package's tree."""
     for root in (Path.cwd(), REPO_ROOT):
         if (root / name / "conftest.py").exists():
             return root / name
@@ -367,20 +367,21 @@ def cmd_bench(args) -> int:
     con = _console()
     if args.quick:
         return _quick_bench(con, registry.select(args.ops), args)
-    bench = _checkout_dir("bench")
-    if bench is None:
-        con.print("bench/ not found: run from the repository root (the suite is not part of the installed package)")
+    ops_dir = _checkout_dir("bench/ops")  # the pytest-benchmark files; bench/tools has plot.py and ceilings.py
+    if ops_dir is None:
+        con.print("bench/ops/ not found: run from the repository root (the suite is not part of the installed package)")
         return 2
     if not torch.cuda.is_available():  # every case would skip: write no result files either
         con.print("the benchmark suite times CUDA kernels and needs a GPU; none is visible")
         return 2
+    bench, tools = ops_dir.parent, ops_dir.parent / "tools"
     out = Path(args.out) if args.out else bench / "results" / _device_slug()
     out.mkdir(parents=True, exist_ok=True)
     rc = 0
     if args.ceilings:
-        rc |= subprocess.call([sys.executable, str(bench / "ceilings.py"), "--out", str(out)])
+        rc |= subprocess.call([sys.executable, str(tools / "ceilings.py"), "--out", str(out)])
     for spec in registry.select(args.ops):
-        file = bench / f"bench_{spec.slug}.py"
+        file = ops_dir / f"bench_{spec.slug}.py"
         if not file.exists():
             con.print(f"{file} missing: no benchmark for {spec.name}")
             continue
@@ -394,9 +395,9 @@ def cmd_bench(args) -> int:
         r = subprocess.call(cmd, cwd=str(bench.parent), env={**os.environ, "FLASHSWITCH_BENCH_CASES": str(cases)})
         rc |= r
         if js.exists() and js.stat().st_size:
-            rc |= subprocess.call([sys.executable, str(bench / "plot.py"), str(js)])
+            rc |= subprocess.call([sys.executable, str(tools / "plot.py"), str(js)])
         elif cases.stat().st_size:
-            rc |= subprocess.call([sys.executable, str(bench / "plot.py"), str(cases)])
+            rc |= subprocess.call([sys.executable, str(tools / "plot.py"), str(cases)])
     return 1 if rc else 0
 
 
@@ -547,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="print a do_bench table instead of the pytest suite")
     b.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="--quick only (default bf16)")
     b.add_argument("--out", help="results folder (default bench/results/<device>)")
-    b.add_argument("--ceilings", action="store_true", help="measure copy/matmul ceilings first (bench/ceilings.py)")
+    b.add_argument("--ceilings", action="store_true", help="measure copy/matmul ceilings first (bench/tools/ceilings.py)")
     b.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     b.set_defaults(func=cmd_bench)
 

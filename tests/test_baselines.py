@@ -1,5 +1,5 @@
 """The benchmark baselines (bench/baselines.py) compute what the ops compute, the registry entries of
-ops 2 and 3 count the right work, bench/plot.py turns results of ops 2 and 3 into tables and plots,
+ops 2 and 3 count the right work, bench/tools/plot.py turns results of ops 2 and 3 into tables and plots,
 and every results file records the commit and date of its run (bench/common.py's provenance).
 
 On CPU: FlexAttention runs eagerly (its dense reference path), SDPA and torch._grouped_mm run on CPU
@@ -19,7 +19,7 @@ from flashswitch.reference import expert_matmul as R3
 from flashswitch.testing import assert_close, rel_error
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path[:0] = [str(BENCH), str(BENCH / "tools")]  # baselines, common; plot
 import baselines as BL  # noqa: E402
 
 F64 = torch.float64
@@ -293,7 +293,7 @@ def test_bench_files_collect():
     """The benchmark files import and parametrize without a GPU (every case is then skipped)."""
     import subprocess
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        str(BENCH / "bench_eva_attention.py"), str(BENCH / "bench_expert_matmul.py")],
+                        str(BENCH / "ops" / "bench_eva_attention.py"), str(BENCH / "ops" / "bench_expert_matmul.py")],
                        cwd=BENCH.parent, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Nk65536" in r.stdout and "cat_sdpa_decode" in r.stdout and "flex_nocat" in r.stdout

@@ -361,7 +361,7 @@ def test_launchers_do_not_import_autotune():
 
 
 def test_host_time_bench_writes_its_table(tmp_path):
-    """bench/host_time.py runs (here: Triton launches stubbed, tiny shapes) and writes one row per op
+    """bench/tools/host_time.py runs (here: Triton launches stubbed, tiny shapes) and writes one row per op
     and backend, and one per op for a forward + backward, next to the bare Triton launch; the bound
     only catches a path gone badly wrong."""
     import subprocess
@@ -370,7 +370,7 @@ def test_host_time_bench_writes_its_table(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root)}
     if DEVICE == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    subprocess.run([sys.executable, str(root / "bench" / "host_time.py"), "--calls", "20", "--tiny-only", "--stub",
+    subprocess.run([sys.executable, str(root / "bench" / "tools" / "host_time.py"), "--calls", "20", "--tiny-only", "--stub",
                     "--out", str(tmp_path)], check=True, env=env, cwd=root, timeout=600, capture_output=True)
     data = json.loads((tmp_path / "host_time.json").read_text())
     rows = {(r["op"], r["label"], r["backend"]): r["host_us"] for r in data["rows"]}
@@ -386,24 +386,24 @@ def test_host_time_bench_writes_its_table(tmp_path):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="a CPU run: no device's results")
 def test_host_time_bench_without_gpu_writes_nothing_unasked(tmp_path):
-    """Without a GPU and without --out, bench/host_time.py prints its rows and writes no file (it wrote
+    """Without a GPU and without --out, bench/tools/host_time.py prints its rows and writes no file (it wrote
     a bench/results/cpu/ folder into the tree)."""
     import shutil
     import subprocess
     import sys
     root = Path(__file__).resolve().parent.parent
     work = tmp_path / "repo"
-    (work / "bench").mkdir(parents=True)
-    for f in ("host_time.py", "common.py"):
+    (work / "bench" / "tools").mkdir(parents=True)
+    for f in ("tools/host_time.py", "common.py"):
         shutil.copy(root / "bench" / f, work / "bench" / f)
     env = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(work / "bench" / "host_time.py"), "--calls", "5", "--tiny-only",
+    proc = subprocess.run([sys.executable, str(work / "bench" / "tools" / "host_time.py"), "--calls", "5", "--tiny-only",
                            "--stub", "--ops", "expert_matmul", "--no-backward"], env=env, cwd=work, timeout=600,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "not written" in proc.stdout
     assert sorted(p.relative_to(work).as_posix() for p in work.rglob("*") if "__pycache__" not in p.parts) == \
-        ["bench", "bench/common.py", "bench/host_time.py"]
+        ["bench", "bench/common.py", "bench/tools", "bench/tools/host_time.py"]
 
 
 # ---------------------------------------------------------------- the eager autograd path

@@ -1,5 +1,5 @@
 """The Triton kernels compile for sm_90 (the H200) with the installed Triton, with the configs the H200
-config file gives each tuning shape and the defaults: `bench/compile_check.py` in a process without
+config file gives each tuning shape and the defaults: `bench/tools/compile_check.py` in a process without
 the interpreter (which replaces the kernels), no GPU needed. A config the compiler rejects fails here,
 not on the device."""
 import json
@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 
 def _compile_check(tmp_path, *args):
-    """bench/compile_check.py's process and rows. It runs without TRITON_INTERPRET (the interpreter replaces
+    """bench/tools/compile_check.py's process and rows. It runs without TRITON_INTERPRET (the interpreter replaces
     the kernels) and without this tree on PYTHONPATH: the script must find its own tree's package, not an
     installed one (possibly another checkout's) nor none."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -25,7 +25,7 @@ def _compile_check(tmp_path, *args):
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_check.py"), *args, "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "tools" / "compile_check.py"), *args, "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert f"flashswitch from {ROOT / 'flashswitch'}," in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, (json.loads(out.read_text()) if out.exists() else [])
@@ -45,7 +45,7 @@ def test_tuned_and_default_configs_compile_for_sm90(tmp_path):
 
 def _module():
     from importlib import util
-    spec = util.spec_from_file_location("compile_check", ROOT / "bench" / "compile_check.py")
+    spec = util.spec_from_file_location("compile_check", ROOT / "bench" / "tools" / "compile_check.py")
     mod = util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

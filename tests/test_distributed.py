@@ -1,11 +1,11 @@
-"""Data-parallel training of EvaAttention, SwitchHeadAttention and SigmaMoE (bench/distributed_parity.py).
+"""Data-parallel training of EvaAttention, SwitchHeadAttention and SigmaMoE (bench/e2e/distributed_parity.py).
 
 CPU: two ranks spawned on the gloo backend (a file store in tmp) train a tiny LM of the three layers
 under DDP (find_unused_parameters=False) and under FSDP2 (fully_shard on a CPU device mesh); both give
 the per-step losses and first-step gradients of one process trained on the concatenated batches
 (fp32, rel 1e-5), and on each rank the sigma-MoE experts without local tokens get zero gradients.
 The layers' forward and backward on the kernel path read no device value on the host (fake tensors:
-any .item() / .tolist() / bool() raises). `bench/e2e_distributed.py --cpu-smoke` runs.
+any .item() / .tolist() / bool() raises). `bench/e2e/e2e_distributed.py --cpu-smoke` runs.
 GPU: the same parity on two GPUs with NCCL (spawned when two are visible) and the layers' forward +
 backward under torch.cuda.set_sync_debug_mode("error").
 """
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from conftest import DEVICE
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT / "bench"))
+sys.path.append(str(ROOT / "bench" / "e2e"))
 import distributed_parity as P  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
@@ -87,10 +87,10 @@ def test_layers_read_no_device_value_on_the_host():
 
 
 def test_cpu_smoke_of_the_e2e_bench(tmp_path):
-    """bench/e2e_distributed.py --cpu-smoke: one process, gloo, a tiny model: the parity check and the
+    """bench/e2e/e2e_distributed.py --cpu-smoke: one process, gloo, a tiny model: the parity check and the
     four throughput modes run and write the JSON and markdown results."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, str(ROOT / "bench" / "e2e_distributed.py"), "--cpu-smoke", "--out", str(tmp_path)],
+    subprocess.run([sys.executable, str(ROOT / "bench" / "e2e" / "e2e_distributed.py"), "--cpu-smoke", "--out", str(tmp_path)],
                    check=True, env=env, cwd=ROOT, timeout=300)
     data = json.loads((tmp_path / "e2e_distributed.json").read_text())
     assert [r["mode"] for r in data["throughput"]] == ["single", "ddp", "fsdp2", "fsdp2_bf16"]

@@ -1,4 +1,4 @@
-"""flashswitch.nn.llama and bench/e2e_generation.py: the decoder's generation (prefill, then single- and
+"""flashswitch.nn.llama and bench/e2e/e2e_generation.py: the decoder's generation (prefill, then single- and
 multi-token steps) gives the logits of its full-sequence forward, with EVA on an EvaCache (reference
 backend; Triton under the interpreter on the CPU) and with exact attention on a StaticKVCache (masked
 SDPA); each StaticKVCache decode kernel ("masked", "gqa"; on the GPU "flash") is exact attention over
@@ -30,7 +30,7 @@ TINY = LlamaConfig(vocab_size=40, hidden_size=24, num_layers=2, num_heads=4, num
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("e2e_generation", ROOT / "bench" / "e2e_generation.py")
+    spec = importlib.util.spec_from_file_location("e2e_generation", ROOT / "bench" / "e2e" / "e2e_generation.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -232,7 +232,7 @@ def test_macs_ideal_speedup_grows_with_context():
 
 # ---------------------------------------------------------------- the benchmark script
 def test_bench_help():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e_generation.py"), "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e" / "e2e_generation.py"), "--help"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     for flag in ("--sizes", "--contexts", "--methods", "--steps", "--batches", "--budget-gb"):
@@ -349,7 +349,7 @@ def test_captured_model_step_equals_eager(attention):
 @pytest.mark.gpu
 def test_bench_short_run(tmp_path):
     """A short run of the benchmark writes its JSON, table and plots with every case checked."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e_generation.py"), "--sizes", "smollm2-135m",
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e" / "e2e_generation.py"), "--sizes", "smollm2-135m",
                           "--contexts", "1024", "--batches", "1", "4", "--steps", "4", "--reps", "1",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

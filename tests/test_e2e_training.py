@@ -1,6 +1,6 @@
-"""The end-to-end scripts (bench/e2e_training.py, bench/e2e_text.py) and their shared pieces.
+"""The end-to-end scripts (bench/e2e/e2e_training.py, bench/e2e/e2e_text.py) and their shared pieces.
 
-On the CPU (reference backend): the paper-style attention layers (bench/paper_attention.py) compute
+On the CPU (reference backend): the paper-style attention layers (bench/e2e/paper_attention.py) compute
 what the flashswitch layers compute, forward and backward, in fp32 against the fp64 layer; training
 steps of every variant and implementation give finite, falling losses; both scripts run end to end at
 a toy size, write their JSON, table and plot, and merge a second partial run into the first; the text
@@ -24,7 +24,8 @@ from flashswitch.testing import assert_close
 from test_switchhead import plain_causal, plain_rope, plain_switchhead
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
+E2E = BENCH / "e2e"
+sys.path.insert(0, str(E2E))
 import e2e_common as E  # noqa: E402
 import e2e_text  # noqa: E402
 import e2e_training  # noqa: E402
@@ -293,7 +294,7 @@ def test_help():
             "        runpy.run_path(s, run_name='__main__')\n"
             "    except SystemExit as e:\n"
             "        assert e.code in (0, None), (s, e.code)\n")
-    r = subprocess.run([sys.executable, "-c", code, str(BENCH / "e2e_training.py"), str(BENCH / "e2e_text.py")],
+    r = subprocess.run([sys.executable, "-c", code, str(E2E / "e2e_training.py"), str(E2E / "e2e_text.py")],
                        capture_output=True, text=True, timeout=300, cwd="/")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("--steps") >= 2 and "--seq-lens" in r.stdout and "--text-file" in r.stdout

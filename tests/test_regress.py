@@ -1,4 +1,4 @@
-"""bench/regress.py end to end on the CPU: --smoke against HEAD (Triton interpreter, tiny shapes), in a
+"""bench/tools/regress.py end to end on the CPU: --smoke against HEAD (Triton interpreter, tiny shapes), in a
 worktree under tmp_path that is removed afterwards. Checks the JSON and markdown it writes and that the
 exit status follows the threshold: a head made a million times slower by the test hook fails the gate.
 The driver runs in this process (its main(), as the script calls it: one interpreter start less per
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "regress.py"
-sys.path.insert(0, str(ROOT / "bench"))
+SCRIPT = ROOT / "bench" / "tools" / "regress.py"
+sys.path.insert(0, str(SCRIPT.parent))
 import regress  # noqa: E402
 
 # op 3 forward at SwitchHead-262M V, op 1 forward + backward (also its host row), the route's host row

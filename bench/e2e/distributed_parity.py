@@ -8,7 +8,7 @@ picked (the tiny config makes it certain: more experts than local tokens), their
 zero tensors (not None), and every parameter has a gradient, so DDP runs with
 find_unused_parameters=False.
 
-Used by tests/test_distributed.py (CPU, gloo, spawned ranks) and bench/e2e_distributed.py (GPUs, NCCL).
+Used by tests/test_distributed.py (CPU, gloo, spawned ranks) and bench/e2e/e2e_distributed.py (GPUs, NCCL).
 fp32 throughout; with entropy_reg = 0 and no dropout, the only difference between the runs is the
 order of floating-point sums.
 """

@@ -4,7 +4,7 @@ implementation, the optimizer, one training step, step timing and merging partia
 Sizes: the papers' "47M" and "262M" (flashswitch.nn.models), and "tiny", a 2-layer toy of each
 variant for smoke runs on the CPU. Implementations ("impls") of the same model:
   flashswitch  the library's layers (SDPA causal flash path, op-3 kernels; the reference on the CPU)
-  paper        attention as the SwitchHead paper's code writes it (bench/paper_attention.py), experts
+  paper        attention as the SwitchHead paper's code writes it (bench/e2e/paper_attention.py), experts
                still through op 3
   paper_torch  paper-style attention and every op on the PyTorch reference (one GEMM per expert in
                fp32): no flashswitch kernel at all
@@ -16,9 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
+E2E_DIR = Path(__file__).resolve().parent
+BENCH_DIR = E2E_DIR.parent
 ROOT = BENCH_DIR.parent
-for p in (str(ROOT), str(BENCH_DIR)):
+for p in (str(ROOT), str(BENCH_DIR), str(E2E_DIR)):
     if p not in sys.path:  # a checkout used without installing the package
         sys.path.insert(0, p)
 

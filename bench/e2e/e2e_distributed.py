@@ -1,11 +1,11 @@
 """End-to-end data-parallel training: correctness, then throughput of a paper model under DDP and FSDP2
 against one GPU at the same per-GPU batch.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 bench/e2e_distributed.py      # two GPUs, NCCL
-    python bench/e2e_distributed.py --cpu-smoke [--out DIR]     # CPU, gloo, tiny model (also under torchrun)
-    python bench/e2e_distributed.py                             # one GPU: the same at world size 1
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 bench/e2e/e2e_distributed.py      # two GPUs, NCCL
+    python bench/e2e/e2e_distributed.py --cpu-smoke [--out DIR]     # CPU, gloo, tiny model (also under torchrun)
+    python bench/e2e/e2e_distributed.py                             # one GPU: the same at world size 1
 
-1. Parity (bench/distributed_parity.py): a tiny LM of EvaAttention, SwitchHeadAttention and SigmaMoE
+1. Parity (bench/e2e/distributed_parity.py): a tiny LM of EvaAttention, SwitchHeadAttention and SigmaMoE
    trained 5 fp32 AdamW steps under DDP and under FSDP2 gives the per-step losses and first-step
    gradients of one process on the whole batches (rank 0 runs that one too); experts without local
    tokens get zero gradients; DDP runs with find_unused_parameters=False.
@@ -34,9 +34,10 @@ import traceback
 from pathlib import Path
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # before any NCCL communicator exists
-BENCH_DIR = Path(__file__).resolve().parent
+E2E_DIR = Path(__file__).resolve().parent
+BENCH_DIR = E2E_DIR.parent
 ROOT = BENCH_DIR.parent
-for p in (str(ROOT), str(BENCH_DIR)):
+for p in (str(ROOT), str(BENCH_DIR), str(E2E_DIR)):
     if p not in sys.path:  # a checkout used without installing the package
         sys.path.insert(0, p)
 

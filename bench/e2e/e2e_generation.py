@@ -4,10 +4,10 @@ attention (SDPA) on a preallocated standard KV cache (StaticKVCache). Both decod
 CUDA-graph-captured step per (method, batch), replayed for every token; positions and lengths live on
 device tensors.
 
-    python bench/e2e_generation.py [--sizes smollm2-135m llama-1b] [--contexts 4096 16384 32768]
+    python bench/e2e/e2e_generation.py [--sizes smollm2-135m llama-1b] [--contexts 4096 16384 32768]
         [--methods sdpa eva-sliding eva-block] [--batches 1 16 max] [--steps 32] [--budget-gb 120]
-    python bench/e2e_generation.py --macs-only      # the ideal prefill speedups from MACs (no GPU needed)
-    python bench/e2e_generation.py --plot-only      # tables and plots from the JSON (no GPU needed)
+    python bench/e2e/e2e_generation.py --macs-only      # the ideal prefill speedups from MACs (no GPU needed)
+    python bench/e2e/e2e_generation.py --plot-only      # tables and plots from the JSON (no GPU needed)
 
 Per (size, method, context):
   prefill  batch 1: median CUDA-event time of the prompt's forward pass into a fresh cache (last
@@ -24,7 +24,7 @@ Per (size, method, context):
            keys and values a step must read (every layer, every sequence; exact attention: each key up
            to the new token's position, EVA: the exact keys and summaries its query sees), averaged
            over the timed steps, per ms / step; % of copy: of the copy bandwidth in ceilings.json of
-           the results folder (bench/ceilings.py; else a nominal one).
+           the results folder (bench/tools/ceilings.py; else a nominal one).
   max batch the budget (set as the process's memory fraction, so exceeding it is an OOM) minus what is
            allocated, divided by the KV bytes plus an activation estimate per sequence; then allocated
            and run, backing off by 15% on OOM.
@@ -47,8 +47,8 @@ import sys
 import time
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-for p in (BENCH_DIR, BENCH_DIR.parent):
+E2E_DIR = Path(__file__).resolve().parent
+for p in (E2E_DIR, E2E_DIR.parent):  # bench/e2e, bench/ (`import common`)
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
@@ -176,7 +176,7 @@ def write_tables(data: dict, folder: Path) -> Path:
     lines = [f"# End-to-end generation on {env.get('device', '?')}", "",
              f"Last written: {provenance_line(data)}" +
              (f"; the rows come from commits {', '.join(commits)}" if len(commits) > 1 else "") + ".", "",
-             f"`bench/e2e_generation.py`: Llama-style decoders with random weights (bf16), torch "
+             f"`bench/e2e/e2e_generation.py`: Llama-style decoders with random weights (bf16), torch "
              f"{env.get('torch', '?')}, triton {env.get('triton', '?')}. Methods: " +
              ", ".join(f"`{m}` ({', '.join(f'{k}={v}' for k, v in kw.items() if k != 'attention') or 'exact'})"
                        for m, kw in METHODS.items()) + ".", "",

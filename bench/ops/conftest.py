@@ -1,6 +1,6 @@
 """Benchmark-suite setup: collect bench_*.py files, skip the whole suite without a GPU or without
 pytest-benchmark. Run it through `flashswitch bench` (writes bench/results/<device>/<op>.json), or
-`python -m pytest bench/bench_<op>.py --benchmark-json=bench/results/<device>/<op>.json`."""
+`python -m pytest bench/ops/bench_<op>.py --benchmark-json=bench/results/<device>/<op>.json`."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import common` from the bench files
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: `import common, baselines`
 
 
 def pytest_collect_file(file_path, parent):

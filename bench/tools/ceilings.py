@@ -1,9 +1,9 @@
 """Measure this GPU's ceilings: copy bandwidth (a large device-to-device copy, bytes read + written)
 and bf16 matmul throughput (8192^3, random inputs), both with `triton.testing.do_bench` (median).
 
-    python bench/ceilings.py [--out bench/results/<device>]
+    python bench/tools/ceilings.py [--out bench/results/<device>]
 
-writes <out>/ceilings.json, which bench/plot.py uses for the "% of ceiling" column and the plot line.
+writes <out>/ceilings.json, which bench/tools/plot.py uses for the "% of ceiling" column and the plot line.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: `import common`
 
 import torch  # noqa: E402
 

@@ -4,10 +4,10 @@ rejects (Triton 3.6's software pipeliner failing on a loop, as seen on the H200)
 registers, local memory (spills), shared memory and whether ptxas serializes its wgmma, before any
 device time is spent. No GPU needed.
 
-    python3 bench/compile_check.py --ops eva_attention [--shape 0 1] [--first 8] [--arch 90]
-    python3 bench/compile_check.py --ops eva_cache          # EvaCache's decode-step kernels
-    python3 bench/compile_check.py --ops layer_ops          # the decoder layers' fused kernels
-    python3 bench/compile_check.py --tuned flashswitch/autotune/configs/NVIDIA_H200.json
+    python3 bench/tools/compile_check.py --ops eva_attention [--shape 0 1] [--first 8] [--arch 90]
+    python3 bench/tools/compile_check.py --ops eva_cache          # EvaCache's decode-step kernels
+    python3 bench/tools/compile_check.py --ops layer_ops          # the decoder layers' fused kernels
+    python3 bench/tools/compile_check.py --tuned flashswitch/autotune/configs/NVIDIA_H200.json
 
 --shape: indices into autotune/space.py TUNE_SHAPES (default all); --first: the first N configs of
 each space; --tuned: instead of the spaces, the config that file gives each shape, and the default.
@@ -17,8 +17,8 @@ Triton's JIT would on the device. TRITON_INTERPRET must be unset (it replaces th
 
 A refactor that claims to leave the generated code alone is checked by the SASS it produces:
 
-    python3 bench/compile_check.py --json /tmp/before.json          # on the old tree
-    python3 bench/compile_check.py --compare /tmp/before.json       # on the new one
+    python3 bench/tools/compile_check.py --json /tmp/before.json          # on the old tree
+    python3 bench/tools/compile_check.py --compare /tmp/before.json       # on the new one
 
 --compare reports every config whose kernels' SASS (instructions only, no addresses) differs from the
 file's, and exits 1 if any does.
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # this tree's package, installed or not: --compare sets one tree against another
     sys.path.insert(0, str(ROOT))
 

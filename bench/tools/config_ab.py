@@ -3,12 +3,12 @@ space: per-call `do_bench` median (L2 flushed by zeroing), per-call median after
 (bench/common.py `read_flush_ms`) and CUDA-graph replay (kernel time only), in rounds so that drift
 hits every variant alike; each cell is the median over rounds.
 
-    python3 bench/config_ab.py eva_attention 3 '{}' '{"EVICT": true}' '{"LAZY": true}' [--rounds 5]
+    python3 bench/tools/config_ab.py eva_attention 3 '{}' '{"EVICT": true}' '{"LAZY": true}' [--rounds 5]
 
 (op, index into autotune/space.py TUNE_SHAPES, then variants: JSON updates of the tuned config, '{}'
 being the tuned config itself; bf16, triton unless --backend; --set Nk=4096 changes fields of the
 shape, whose config is then the one the store gives that bucket.) A JSON string names a baseline of the
-op's bench suite (bench_<op>.py BUILDERS), timed in the same rounds: '"flex"' for eva_attention
+op's bench suite (bench/ops/bench_<op>.py BUILDERS), timed in the same rounds: '"flex"' for eva_attention
 pairs the kernel with FlexAttention under the same clocks and temperature. For expert_matmul the
 variant '"route"' times route() alone (keys, sort, offsets), the rest of a call being the kernels.
 """
@@ -18,13 +18,18 @@ import argparse
 import importlib
 import json
 import statistics
+import sys
+from pathlib import Path
 
-import torch
-from triton.testing import do_bench, do_bench_cudagraph
+BENCH_DIR = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(BENCH_DIR), str(BENCH_DIR / "ops")]  # `import common`, the bench_<op> files' BUILDERS
 
-from common import read_flush_ms  # bench/common.py (this script's folder is on sys.path)
-from flashswitch import registry
-from flashswitch.autotune import space, store
+import torch  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+
+from common import read_flush_ms  # noqa: E402
+from flashswitch import registry  # noqa: E402
+from flashswitch.autotune import space, store  # noqa: E402
 
 
 def _route_only(problem: dict):

@@ -4,7 +4,7 @@ kernels), next to a bare Triton launch of a trivial kernel, SDPA on the same tin
 kernel-only time of a CUDA-graph replay. When host time > kernel time, a per-call timing measures the
 host, not the kernel. Targets at the tiny shapes: <= 40 us on the Triton backend, <= 25 us on CUDA.
 
-    python bench/host_time.py [--ops chunk_summaries ...] [--backends triton cuda ...] [--calls 300]
+    python bench/tools/host_time.py [--ops chunk_summaries ...] [--backends triton cuda ...] [--calls 300]
                               [--tiny-only] [--stub] [--jit-launch] [--profile] [--no-backward] [--out DIR]
 
 At the tiny shapes each op also gets a "fwd+bwd" row: the call with inputs that need gradients and
@@ -34,7 +34,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: `import common`
 from common import (backend_usable, device_name, env_info, graph_ms, provenance, provenance_line,  # noqa: E402
                     results_dir)
 import flashswitch  # noqa: E402
@@ -235,7 +235,7 @@ def main() -> None:
     lines = [f"# Host time per call ({meta['device']}, {dtype}{', Triton launches stubbed' if stub else ''}"
              f"{', direct Triton launches' if fast else ''})", "", f"Run: {provenance_line(meta)}.", "",
              "Public call path (validation, backend choice, config lookup, launch), CPU time per call; kernel: "
-             "CUDA-graph replay; normal launches: a direct launch's fall back to Triton's binding (0 when every launch is direct). `python bench/host_time.py" + (" --stub" if stub and gpu else "")
+             "CUDA-graph replay; normal launches: a direct launch's fall back to Triton's binding (0 when every launch is direct). `python bench/tools/host_time.py" + (" --stub" if stub and gpu else "")
              + ("" if fast or stub else " --jit-launch") + "`", "",
              "| op | shape | backend | host us/call | kernel us | normal Triton launches / call |",
              "|---|---|---|---:|---:|---:|"]

@@ -1,16 +1,24 @@
 """Run one tuning shape's kernel a few times, for a profiler to catch one launch:
     ncu --clock-control none --section SpeedOfLight -k regex:_eva_fwd --launch-skip 2 --launch-count 1 \\
-        python3 bench/ncu_kernel.py eva_attention 0 [triton]
+        python3 bench/tools/ncu_kernel.py eva_attention 0 [triton]
 (op, index into autotune/space.py TUNE_SHAPES, backend; the tuned or default config, bf16)."""
 import sys
+from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # this tree's package, installed or not
+    sys.path.insert(0, str(ROOT))
 
-from flashswitch import registry
-from flashswitch.autotune import space
+import torch  # noqa: E402
+
+from flashswitch import registry  # noqa: E402
+from flashswitch.autotune import space  # noqa: E402
 
 
 def main() -> None:
+    if len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     op, index = sys.argv[1], int(sys.argv[2])
     backend = sys.argv[3] if len(sys.argv) > 3 else "triton"
     spec = registry.get(op)

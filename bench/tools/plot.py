@@ -1,6 +1,6 @@
 """Plot and tabulate a benchmark JSON (pytest-benchmark --benchmark-json).
 
-    python bench/plot.py bench/results/<device>/<op>.json [more.json ...]
+    python bench/tools/plot.py bench/results/<device>/<op>.json [more.json ...]
 
 writes, next to each JSON (what each op gets comes from its registry entry, `bench_plot`,
 `bench_compare`, `bench_roof`):
@@ -8,7 +8,7 @@ writes, next to each JSON (what each op gets comes from its registry entry, `ben
             backend; "speedup": speedup over one baseline (sdpa_causal for op 2) vs the sweep axis,
             plus <op>_throughput.png; "bars": throughput per shape, one bar per backend (op 3)
   <op>.md   shape, backend, median ms (do_bench), throughput (TFLOP/s and/or GB/s), % of the measured
-            ceilings (ceilings.json in the same folder, from bench/ceilings.py; else the nominal copy
+            ceilings (ceilings.json in the same folder, from bench/tools/ceilings.py; else the nominal copy
             bandwidth), speedup vs each baseline of the op (the eager PyTorch reference for op 1, flex
             and sdpa_causal for op 2, grouped_mm_pipeline for op 3) and % of the roof backend
             (dense_equal_macs for op 3); baselines that cannot run a shape show as "unsupported"
@@ -22,7 +22,7 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: `import common`
 
 from common import BACKEND_ORDER, load_ceilings, provenance_line  # noqa: E402
 
@@ -63,7 +63,7 @@ def load_rows(path: Path) -> tuple[list[dict], dict]:
         rows.append({**ei, "pedantic_ms": float("nan") if median is None else median * 1e3})
     head = rows[0] if rows else {}
     meta = {k: head.get(k) for k in ("device", "capability", "torch", "triton", "cuda", "python")}
-    # the run's commit and date (bench/conftest.py adds them to the file; its cases carry them too)
+    # the run's commit and date (bench/ops/conftest.py adds them to the file; its cases carry them too)
     info = data.get("commit_info") or {}  # pytest-benchmark's own record, where git was there
     meta["commit"] = data.get("commit") or head.get("commit") or (
         info.get("id") and info["id"][:12] + ("-dirty" if info.get("dirty") else ""))

@@ -1,13 +1,13 @@
 """Performance regression gate: the headline cases of every op, timed on this working tree (head) and on
 a git revision (REV), side by side on one GPU.
 
-    python bench/regress.py --against REV [--ops ...] [--cases SUBSTR ...] [--rounds 5] [--threshold 1.05]
+    python bench/tools/regress.py --against REV [--ops ...] [--cases SUBSTR ...] [--rounds 5] [--threshold 1.05]
                             [--backend triton] [--build] [--smoke] [--out-dir DIR] [--out-name regress]
 
 REV is checked out in a git worktree under `.regress/<sha>` (ignored by git; reused while it is clean,
 stale ones pruned). For a copy of the repository without its git history (a remote GPU machine),
 `--export` writes REV's files there beforehand (carry `.regress` along) and FLASHSWITCH_COMMIT names
-head's commit. Each side runs in its own persistent process (bench/regress_worker.py, driven over
+head's commit. Each side runs in its own persistent process (bench/tools/regress_worker.py, driven over
 stdin/stdout) with PYTHONPATH set to its checkout and FLASHSWITCH_CONFIG_DIR unset, so each imports its
 own flashswitch and reads its own tuned configs. The worker calls only the public API, with inputs from
 fixed seeds. A case a side cannot run (no backward pass, a missing argument) is reported unsupported
@@ -40,10 +40,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
+TOOLS = Path(__file__).resolve().parent
+BENCH = TOOLS.parent
 ROOT = BENCH.parent
-WORKER = BENCH / "regress_worker.py"
-sys.path.insert(0, str(BENCH))
+WORKER = TOOLS / "regress_worker.py"
+sys.path[:0] = [str(BENCH), str(TOOLS)]  # `import common`, `import regress_worker`
 
 import torch  # noqa: E402
 
@@ -90,7 +91,7 @@ OP3_SMOKE = {
     "sigma_moe_up": dict(T=8, S=4, E=8, d_in=32, d_out=16, G_out=4, gated=False),
     "sigma_moe_down": dict(T=8, S=4, E=8, d_in=16, d_out=32, G_in=4, G_out=1, gated=True),
 }
-# host time: bench/host_time.py's tiny shapes
+# host time: bench/tools/host_time.py's tiny shapes
 HOST_OP1 = dict(B=1, H=2, N=64, D=64, C=16)
 HOST_DECODE = dict(B=1, H=8, Hkv=8, Nq=1, Nk=256, D=64, C=16, W=64, window="block")
 HOST_PREFILL = dict(B=1, H=2, Hkv=2, Nk=128, D=64, C=16, W=64, window="block")
@@ -198,7 +199,7 @@ def head_state() -> tuple[str, bool]:
 
 # ---------------------------------------------------------------- workers
 class Worker:
-    """One checkout's timing process (bench/regress_worker.py), one JSON line per request and answer."""
+    """One checkout's timing process (bench/tools/regress_worker.py), one JSON line per request and answer."""
 
     def __init__(self, side: str, root: Path, smoke_cpu: bool):
         env = {**os.environ, "PYTHONPATH": str(root)}
@@ -356,7 +357,7 @@ def select(args) -> list[Case]:
 def run(args) -> int:
     gpu = torch.cuda.is_available()
     if not gpu and not args.smoke:
-        raise NeedsAttention("bench/regress.py times kernels on a GPU and none is visible here; "
+        raise NeedsAttention("bench/tools/regress.py times kernels on a GPU and none is visible here; "
                              "--smoke runs its tiny cases on the CPU (TRITON_INTERPRET=1) to check the plumbing")
     if args.rounds is not None and args.rounds < 1:
         raise NeedsAttention("--rounds must be at least 1")
@@ -392,7 +393,7 @@ def run(args) -> int:
     failed = [r["name"] for r in rows if r["status"].startswith("fail")]
     w = worst(rows)
     report = {
-        "command": shlex.join(["python", os.path.relpath(sys.argv[0], ROOT) if sys.argv[0] else "bench/regress.py",
+        "command": shlex.join(["python", os.path.relpath(sys.argv[0], ROOT) if sys.argv[0] else "bench/tools/regress.py",
                                *sys.argv[1:]]),
         "date": now(), "device": device_name(), **{k: v for k, v in env_info().items() if k != "device"},
         "backend": args.backend, "smoke": args.smoke, "rounds": rounds, "threshold": args.threshold,

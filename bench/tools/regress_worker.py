@@ -1,4 +1,4 @@
-"""One checkout's side of bench/regress.py: a persistent process that builds and times the cases the
+"""One checkout's side of bench/tools/regress.py: a persistent process that builds and times the cases the
 driver sends, one JSON object per line on stdin, one answer per line on stdout.
 
 The driver starts it with PYTHONPATH=<checkout root>, so `import flashswitch` is that checkout's. It

