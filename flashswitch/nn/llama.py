@@ -319,8 +319,8 @@ class LlamaLM(nn.Module):
     """Pre-norm decoder: embedding, num_layers DecoderBlocks, final RMSNorm, logits (the embedding
     matrix when tie_embeddings). attention "sdpa" (exact; `decode` picks the StaticKVCache step kernel)
     or "eva" (EvaAttention with chunk_size, window_size, window, summaries, summary_bias, backend).
-    Weights are drawn by `init_weights(seed)` (N(0, 0.02), norms 1) and depend only on the parameter names and the seed,
-    so two models of one config and seed are equal whatever their attention."""
+    Weights are drawn by `init_weights(seed)` (N(0, 0.02), norms 1) and depend only on the parameter
+    names and the seed, so two models of one config and seed are equal whatever their attention."""
 
     def __init__(self, cfg: LlamaConfig, *, attention: str = "sdpa", seed: int = 0, device=None, dtype=None,
                  **attention_kw):
