@@ -341,14 +341,16 @@ def decode_context(cache):
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if gqa else nullcontext()
 
 
-def exact_decode_kernel() -> str:
-    """The first of EXACT_DECODE that runs here and equals the masked SDPA decode on a small GQA
-    problem with ragged lengths; "masked" when none does."""
+def exact_decode_kernel(num_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 64) -> str:
+    """The first of EXACT_DECODE that runs here and equals the masked SDPA decode on a small problem with
+    the model's heads and ragged lengths (cuDNN's attention rejects some head dims at run time);
+    "masked" when none does."""
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    q, k, v = (torch.randn(3, h, 70, 64, device=DEVICE, dtype=DTYPE, generator=g) for h in (8, 2, 2))
+    q, k, v = (torch.randn(3, h, 70, head_dim, device=DEVICE, dtype=DTYPE, generator=g)
+               for h in (num_heads, num_kv_heads, num_kv_heads))
 
     def decode(kernel):
-        cache = StaticKVCache(3, 2, 64, max_seq_len=80, dtype=DTYPE, device=DEVICE, decode=kernel)
+        cache = StaticKVCache(3, num_kv_heads, head_dim, max_seq_len=78, dtype=DTYPE, device=DEVICE, decode=kernel)
         cache.prefill(q[:, :, :69], k[:, :, :69], v[:, :, :69], lengths=torch.tensor([69, 40, 1], device=DEVICE))
         with decode_context(cache):
             return cache.step(q[:, :, 69:], k[:, :, 69:], v[:, :, 69:]).float()
@@ -569,12 +571,12 @@ def run(args, save, copy_GBps: float) -> list[dict]:
     budget = min(int(args.budget_gb * 1e9), total)
     torch.cuda.set_per_process_memory_fraction(budget / total)
     env = env_info()
-    exact = exact_decode_kernel() if "sdpa" in args.methods else None
     rows = []
     t_start = time.time()
     for size in args.sizes:
         cfg = LLAMA_SHAPES[size]
         model = LlamaLM(cfg, device=DEVICE, dtype=DTYPE, seed=args.seed)
+        exact = exact_decode_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) if "sdpa" in args.methods else None
         for method in args.methods:
             kw = dict(METHODS[method])
             attention = kw.pop("attention")

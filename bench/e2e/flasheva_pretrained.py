@@ -622,12 +622,10 @@ def decode_throughput(run: Run, model: LlamaLM, exact: bool) -> dict:
     return out
 
 
-def exact_decode() -> str:
-    """e2e_generation's exact decode kernel on this GPU."""
+def exact_decode(cfg) -> str:
+    """e2e_generation's exact decode kernel for this model's heads on this GPU."""
     import e2e_generation as G
-    if hasattr(G, "exact_decode_kernel"):
-        return G.exact_decode_kernel()
-    return "flash" if G.flash_decode_works() else "masked"
+    return G.exact_decode_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
 
 def tradeoff_row(run: Run, label: str, state: dict, settings: dict, source: str) -> dict:
@@ -643,7 +641,7 @@ def tradeoff_row(run: Run, label: str, state: dict, settings: dict, source: str)
 
 def part_tradeoff(run: Run) -> None:
     source, state = ("fine-tuned full", run.states["full"]) if "full" in run.states else ("pretrained", run.base)
-    exact = dict(attention="sdpa", decode=exact_decode() if run.cuda else "masked")
+    exact = dict(attention="sdpa", decode=exact_decode(run.cfg) if run.cuda else "masked")
     rows = [("exact", exact)]
     for wc in run.args.tradeoff:
         W, C = (int(x) for x in wc.split(","))
