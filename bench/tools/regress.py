@@ -198,6 +198,11 @@ def head_state() -> tuple[str, bool]:
 
 
 # ---------------------------------------------------------------- workers
+def _pin_to_host_cpu() -> None:
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+
+
 class Worker:
     """One checkout's timing process (bench/tools/regress_worker.py), one JSON line per request and answer."""
 
@@ -208,8 +213,10 @@ class Worker:
         if smoke_cpu:
             env["TRITON_INTERPRET"] = "1"
         self.side, self.root = side, root
+        # both sides on the same CPU core: host times of two processes on different cores differed by up to
+        # 1.4x for the same bare launch (they alternate, so they never share the core)
         self.proc = subprocess.Popen([sys.executable, str(WORKER)], cwd=root, env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=_pin_to_host_cpu)
 
     def read(self) -> dict:
         line = self.proc.stdout.readline()
