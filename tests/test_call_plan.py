@@ -266,10 +266,12 @@ def test_store_writes_start_the_plans_over(cfg_dir, monkeypatch):
     store.update(path, {"chunk_summaries": _entry(feats, configs[0])})
     out = _call("chunk_summaries", p, "triton")
     assert dict(_plans(cs_op)[0].config) == configs[0]
-    monkeypatch.setitem(call_plan._seen, "next_file_check", math.inf)  # from here on, only store.update tells
     store.update(path, {"chunk_summaries": _entry(feats, configs[1])})
     out2 = _call("chunk_summaries", p, "triton")
     assert [dict(x.config) for x in _plans(cs_op)] == [configs[1]]
+    # the next look at the file is due STORE_RECHECK_S after that call (a loaded machine can take longer
+    # than that to reach the next one): from here on, only store.update or a due look tells
+    monkeypatch.setitem(call_plan._seen, "next_file_check", math.inf)
     # another process's write: no store.update here, only a newer file
     data = json.loads(path.read_text())
     data["ops"]["chunk_summaries"] = _entry(feats, configs[2])
