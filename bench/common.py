@@ -28,12 +28,12 @@ if str(ROOT) not in sys.path:  # a checkout used without installing the package
 
 import torch  # noqa: E402
 
-from flashswitch import _common as C, registry  # noqa: E402
+from flashswitch import backends, registry  # noqa: E402
 from flashswitch.autotune import store  # noqa: E402
 from flashswitch.autotune.tune import bench_ms, versions  # noqa: E402
 
-BACKENDS = ("triton", "cuda", "cupy", "reference", "compiled")
-KERNEL_BACKENDS = C.KERNEL_BACKENDS
+KERNEL_BACKENDS = backends.KERNELS
+BACKENDS = KERNEL_BACKENDS + ("reference", "compiled")
 BASELINES = ("sdpa_causal", "cat_sdpa_decode", "flex", "flex_nocat", "dense_equal_macs", "grouped_mm_pipeline")
 BACKEND_ORDER = {b: i for i, b in enumerate(("reference", "compiled") + BASELINES + KERNEL_BACKENDS)}
 RESULTS = BENCH_DIR / "results"
@@ -117,7 +117,7 @@ def backend_usable(backend: str) -> bool:
     if backend not in KERNEL_BACKENDS:
         return True
     try:
-        return C.backend_available(backend, torch.device("cuda"))
+        return backends.available(backend, torch.device("cuda"))
     except Exception:
         return False
 

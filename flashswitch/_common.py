@@ -1,8 +1,6 @@
-"""Helpers shared by every op: argument checks, backend availability, output allocation."""
+"""Helpers shared by every op: argument checks, call paths, output allocation, settings."""
 from __future__ import annotations
 
-import functools
-import importlib
 import math
 import os
 from typing import Optional, Sequence
@@ -14,8 +12,6 @@ BACKEND_ENV = "FLASHSWITCH_BACKEND"  # forces the backend that backend="auto" pi
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # config files' dtype names
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-BACKENDS = ("reference", "triton", "cuda", "cupy")
-KERNEL_BACKENDS = BACKENDS[1:]  # the ones that launch kernels (and run the Triton backward kernels)
 
 
 def next_pow2(n: int) -> int:
@@ -70,41 +66,9 @@ def check_scale(scale, head_dim: int) -> float:
     return float(scale)
 
 
-# ---------------------------------------------------------------- backends
-@functools.lru_cache(maxsize=None)
-def _importable(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-        return True
-    except Exception:  # a broken optional dependency counts as missing
-        return False
-
-
+# ---------------------------------------------------------------- call paths
 def triton_interpret() -> bool:
     return (env_get("TRITON_INTERPRET") or "0") not in ("", "0")
-
-
-def backend_available(backend: str, device: torch.device) -> bool:
-    """Whether `backend` can run on tensors living on `device` in this process."""
-    if backend == "reference":
-        return True
-    if backend == "triton":
-        if not _importable("triton"):
-            return False
-        return device.type == "cuda" or (device.type == "cpu" and triton_interpret())
-    if device.type != "cuda":
-        return False
-    if backend == "cuda":
-        from flashswitch.bindings import cuda as cuda_loader
-        return cuda_loader.available()
-    if backend == "cupy":
-        from flashswitch.bindings import cupy as cupy_loader
-        return cupy_loader.available()
-    raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {backend!r}")
-
-
-def available_backends(device: torch.device) -> list[str]:
-    return [b for b in BACKENDS if backend_available(b, device)]
 
 
 def eager_fast_path(*tensors) -> bool:

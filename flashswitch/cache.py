@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from flashswitch import _common as C
+from flashswitch import backends
 from flashswitch.ops.chunk_summaries import chunk_summaries
 from flashswitch.ops.eva_attention import check_window, eva_attention
 
@@ -121,7 +122,7 @@ class EvaCache:
         # Triton ("auto", "triton"), the chunk's summary joins them: one launch (eva_cache.step), else two
         # around op 1
         self._kernels = None
-        if C.backend_available("triton", device) and (device.type == "cuda" or backend == "triton"):
+        if backends.available("triton", device) and (device.type == "cuda" or backend == "triton"):
             from flashswitch.kernels_triton import eva_cache
             self._kernels = eva_cache
         self._fused = FUSED_STEP and self._kernels is not None and backend in ("auto", "triton")

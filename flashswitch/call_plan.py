@@ -24,6 +24,7 @@ from typing import Hashable, Mapping, Optional
 import torch
 
 from flashswitch import _common as C
+from flashswitch import backends
 from flashswitch.autotune import schema, space, store
 
 # Settings the call path reads: backend choice, config folder, output poisoning, direct Triton launches
@@ -143,24 +144,22 @@ def _resolve_backend(op: str, backend: str, device: str, bucket: Optional[tuple]
     bucket = None if bucket is None else dict(bucket)
     if backend == "auto":
         backend = (C.env_get(C.BACKEND_ENV) or "auto").strip() or "auto"
-        if backend != "auto" and backend not in C.BACKENDS:
+        if backend != "auto" and backend not in backends.NAMES:
             raise ValueError(f"environment variable {C.BACKEND_ENV}={backend!r} is not a backend; expected one of "
-                             f"{C.BACKENDS} or 'auto'")
+                             f"{backends.NAMES} or 'auto'")
     if backend == "auto":
         if device.type != "cuda":
             return "reference"
         best = store.best_backend(op, bucket) if bucket is not None else None
-        if best is not None and C.backend_available(best, device):
+        if best is not None and backends.available(best, device):
             return best
-        for candidate in C.KERNEL_BACKENDS:
-            if C.backend_available(candidate, device):
+        for candidate in backends.KERNELS:
+            if backends.available(candidate, device):
                 return candidate
         return "reference"
-    if backend not in C.BACKENDS:
-        raise ValueError(f"backend must be one of {C.BACKENDS} or 'auto', got {backend!r}")
-    if not C.backend_available(backend, device):
+    if not backends.available(backend, device):  # raises for an unknown name
         raise ValueError(f"backend {backend!r} is not available for tensors on {device} "
-                         f"(available: {C.available_backends(device)}; see `flashswitch info`)")
+                         f"(available: {backends.usable(device)}; see `flashswitch info`)")
     return backend
 
 

@@ -15,8 +15,6 @@ Every op comes from `flashswitch.registry`; nothing here names a particular op.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import importlib.util
 import os
 import platform
 import subprocess
@@ -28,7 +26,6 @@ from typing import Optional, Sequence
 ENV_VARS = ("FLASHSWITCH_BACKEND", "FLASHSWITCH_CONFIG_DIR", "FLASHSWITCH_POISON", "FLASHSWITCH_SKIP_CUDA_BUILD",
             "TRITON_INTERPRET", "CUDA_HOME", "CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS",
             "HYPOTHESIS_PROFILE")
-KERNEL_BACKENDS = ("triton", "cuda", "cupy")  # _common.KERNEL_BACKENDS, here without importing torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -59,84 +56,23 @@ def _fmt_err(x: Optional[float]) -> str:
 
 
 # ---------------------------------------------------------------- environment facts
-def _dist_version(*names: str) -> Optional[str]:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _cupy_version() -> Optional[str]:
-    for dist in importlib.metadata.distributions():
-        name = (dist.metadata["Name"] or "").lower()
-        if name == "cupy" or name.startswith("cupy-"):
-            return f"{dist.version} ({name})"
-    return None
-
-
 def _device():
     import torch
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _truthy(var: str) -> bool:
-    return os.environ.get(var, "0") not in ("", "0")
-
-
 def backend_status(backend: str, device) -> tuple[bool, str]:
-    """(usable for tensors on `device`, a one-line reason)."""
-    from flashswitch import _common as C
-    if backend == "reference":
-        return True, "PyTorch reference (vectorized, differentiable)"
-    if backend == "triton":
-        if importlib.util.find_spec("triton") is None:
-            return False, "triton is not installed"
-        if device.type == "cuda":
-            return True, f"triton {_dist_version('triton')}"
-        if C.triton_interpret():
-            return True, "Triton interpreter on CPU tensors (TRITON_INTERPRET=1; slow, no bf16)"
-        return False, "no GPU (set TRITON_INTERPRET=1 to run on CPU)"
-    if backend == "cuda":
-        built = importlib.util.find_spec("flashswitch._C") is not None
-        if not built:
-            why = ("FLASHSWITCH_SKIP_CUDA_BUILD was set" if _truthy("FLASHSWITCH_SKIP_CUDA_BUILD")
-                   else "no GPU visible at install, no nvcc, or FLASHSWITCH_SKIP_CUDA_BUILD; "
-                        "FLASHSWITCH_BUILD_CUDA=1 forces the build")
-            return False, f"extension not built ({why})"
-        if device.type != "cuda":
-            return False, "extension flashswitch._C built, but no GPU"
-        return _loader_status("cuda", device)
-    if backend == "cupy":
-        ver = _cupy_version()
-        if ver is None:
-            return False, "cupy is not installed (in the checkout: pip install -e '.[cupy]')"
-        if device.type != "cuda":
-            return False, f"cupy {ver} installed, but no GPU"
-        return _loader_status("cupy", device)
-    return False, "unknown backend"
-
-
-def _loader_status(backend: str, device) -> tuple[bool, str]:
-    from flashswitch import _common as C
+    """(usable for tensors on `device`, a one-line reason); (False, ...) for an unknown name."""
+    from flashswitch import backends
     try:
-        ok = C.backend_available(backend, device)
-    except Exception as err:
-        return False, f"loader failed: {type(err).__name__}: {err}"
-    if ok:
-        return True, "loaded"
-    try:
-        mod = importlib.import_module(f"flashswitch.bindings.{backend}")
-        reason = getattr(mod, "unavailable_reason", None)
-        reason = reason() if callable(reason) else reason
-    except Exception as err:
-        reason = f"{type(err).__name__}: {err}"
-    return False, str(reason or "failed to load")
+        return backends.status(backend, device)
+    except ValueError:
+        return False, "unknown backend"
 
 
 def usable_kernel_backends(device) -> list[str]:
-    return [b for b in KERNEL_BACKENDS if backend_status(b, device)[0]]
+    from flashswitch import backends
+    return backends.usable(device, backends.KERNELS)
 
 
 # ---------------------------------------------------------------- info
@@ -144,12 +80,12 @@ def cmd_info(args) -> int:
     import torch
     import flashswitch
     from flashswitch.autotune import store
-    from flashswitch import registry
+    from flashswitch import backends, registry
 
     con = _console()
     con.print(f"[bold]flashswitch {flashswitch.__version__}[/bold]  ({Path(flashswitch.__file__).parent})")
     con.print(f"python {platform.python_version()}  torch {torch.__version__} (CUDA {torch.version.cuda})  "
-              f"triton {_dist_version('triton') or 'not installed'}  cupy {_cupy_version() or 'not installed'}")
+              f"triton {backends.triton_version() or 'not installed'}  cupy {backends.cupy_version() or 'not installed'}")
     device = _device()
     if device.type == "cuda":
         for i in range(torch.cuda.device_count()):
@@ -160,7 +96,7 @@ def cmd_info(args) -> int:
         con.print("GPU: none visible (torch.cuda.is_available() is False): kernels run only under "
                   "TRITON_INTERPRET=1; the references always run")
     t = _table(f"backends for tensors on {device.type}", ["backend", "usable", "why"])
-    for b in ("reference",) + KERNEL_BACKENDS:
+    for b in backends.NAMES:
         ok, why = backend_status(b, device)
         t.add_row(b, "yes" if ok else "no", _e(why))
     con.print(t)
@@ -210,6 +146,7 @@ def _compare(spec, outs, oracle, baseline, dtype, *, use_baseline: bool, problem
 def cmd_check(args) -> int:
     import torch
     from flashswitch import registry
+    from flashswitch.backends import NAMES
     from flashswitch.autotune.tune import poisoned
 
     con = _console()
@@ -218,7 +155,7 @@ def cmd_check(args) -> int:
     kernels = usable_kernel_backends(device)
     backends = ["reference"] + kernels
     if args.backends:
-        unknown = set(args.backends) - set(("reference",) + KERNEL_BACKENDS)
+        unknown = set(args.backends) - set(NAMES)
         if unknown:
             con.print(f"unknown backend(s): {', '.join(sorted(unknown))}")
             return 2

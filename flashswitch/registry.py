@@ -15,6 +15,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from flashswitch._common import DTYPES  # the tooling's dtype names
+from flashswitch.backends import KERNELS
 
 
 def as_tuple(out) -> tuple:
@@ -72,7 +73,7 @@ class OpSpec:
     bench_rotate: Union[bool, Callable[[dict], bool]] = False
     torch_reference: Optional[Callable] = None
     # the kernel backends the tooling tunes, checks and benchmarks for this entry
-    kernel_backends: tuple = ("triton", "cuda", "cupy")
+    kernel_backends: tuple = KERNELS
     pass_: str = "fwd"
 
     @property

@@ -32,8 +32,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def kernel_backends():
     """Kernel backends that can run in this process (triton runs on the CPU under the interpreter)."""
-    from flashswitch._common import backend_available
-    return [b for b in ("triton", "cuda", "cupy") if backend_available(b, torch.device(DEVICE))]
+    from flashswitch import backends
+    return [b for b in backends.KERNELS if backends.available(b, torch.device(DEVICE))]
 
 
 TIMES_ENV = "FLASHSWITCH_TEST_TIMES"  # a file: one "seconds<TAB>outcome<TAB>test id" line per finished test

@@ -156,8 +156,11 @@ def test_test_command_hands_every_argument_to_pytest(monkeypatch):
     assert calls == [([sys.executable, "-m", "pytest", str(ROOT / "tests"), "-k", "help", "-x", "--help"], str(ROOT))]
 
 
-def test_cli_kernel_backends_are_the_library_ones():
-    """The CLI keeps its own copy of the kernel backends (it starts without importing torch)."""
-    from flashswitch import _common as C
-    assert cli.KERNEL_BACKENDS == C.KERNEL_BACKENDS
+def test_cli_backends_and_dtypes_are_the_library_ones():
+    """The CLI's backends and their reasons are the table's (flashswitch/backends.py)."""
+    from flashswitch import _common as C, backends
+    cpu = torch.device("cpu")
+    assert all(cli.backend_status(b, cpu) == backends.status(b, cpu) for b in backends.NAMES)
+    assert cli.backend_status("nope", cpu) == (False, "unknown backend")
+    assert set(cli.usable_kernel_backends(cpu)) <= set(backends.KERNELS)
     assert registry.DTYPES is C.DTYPES and C.DTYPE_NAMES == {v: k for k, v in C.DTYPES.items()}

@@ -69,8 +69,8 @@ def test_layers_read_no_device_value_on_the_host():
     """Forward + backward of the three layers on the kernel path (custom ops, fake implementations)
     with fake tensors: a host read of a device value (.item(), .tolist(), bool(t), int(t)) raises."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from flashswitch._common import backend_available
-    if DEVICE != "cpu" or not backend_available("triton", torch.device("cpu")):
+    from flashswitch import backends
+    if DEVICE != "cpu" or not backends.available("triton", torch.device("cpu")):
         # on a GPU the extension's routing op has no fake implementation; the sync test below covers it
         pytest.skip("fake CPU tensors on the Triton backend need the interpreter")
     cfg = P.ParityConfig()

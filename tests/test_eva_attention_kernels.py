@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import DEVICE, dense_causal, dtypes_here
+from flashswitch import backends
 from flashswitch.autotune import space
 from flashswitch.ops import eva_attention as op
 from flashswitch.ops.eva_attention import eva_attention
@@ -411,7 +412,7 @@ def test_default_config_and_features():
 
 
 def test_auto_splits():
-    if not op.C.backend_available("triton", torch.device(DEVICE)):
+    if not backends.available("triton", torch.device(DEVICE)):
         pytest.skip("triton is not available")
     from flashswitch.kernels_triton.eva_attention import auto_splits
     assert auto_splits(programs=512, n_blocks=20, sms=132) == 1       # grid already fills the GPU
@@ -632,7 +633,7 @@ def test_bad_tensors(name, make, error, match):
 
 
 def test_head_dim_too_large_for_triton():
-    if not op.C.backend_available("triton", torch.device(DEVICE)):
+    if not backends.available("triton", torch.device(DEVICE)):
         pytest.skip("triton is not available")
     p = random_problem(1, 1, 1, None, 4, 264, 2, 4, device=DEVICE)
     with pytest.raises(ValueError, match="head dim"):

@@ -96,8 +96,8 @@ def test_nvrtc_compiles_expert_matmul():
 
 # ---------------------------------------------------------------- GPU smoke tests
 def _loader_available(name):
-    from flashswitch._common import backend_available
-    return DEVICE == "cuda" and backend_available(name, torch.device("cuda"))
+    from flashswitch import backends
+    return DEVICE == "cuda" and backends.available(name, torch.device("cuda"))
 
 
 @pytest.fixture(params=["cuda", "cupy"])

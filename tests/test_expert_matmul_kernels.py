@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import DEVICE, dtypes_here, kernel_backends
-from flashswitch._common import backend_available
+from flashswitch.backends import available as backend_available
 from flashswitch.ops import expert_matmul as op
 from flashswitch.ops.expert_matmul import Route, expert_matmul, route
 from flashswitch.reference.expert_matmul import ROUTINGS, numpy_expert_matmul, random_problem, torch_expert_matmul

@@ -13,14 +13,14 @@ from hypothesis import given, settings, strategies as st
 from conftest import DEVICE
 import flashswitch
 from flashswitch import _common as C
-from flashswitch import call_plan, registry
+from flashswitch import backends, call_plan, registry
 from flashswitch.kernels_triton import kernel_call
 from flashswitch.ops import chunk_summaries as cs_op, eva_attention as eva_op, expert_matmul as em_op
 from flashswitch.testing import assert_close
 
 GPU = DEVICE == "cuda"
 OPS = ("chunk_summaries", "eva_attention", "expert_matmul")
-needs_triton = pytest.mark.skipif(not C.backend_available("triton", torch.device(DEVICE)),
+needs_triton = pytest.mark.skipif(not backends.available("triton", torch.device(DEVICE)),
                                   reason="triton cannot run here")
 
 # per op: (shape for random_problem, explicit config or None = the call plan's) pairs

@@ -49,7 +49,7 @@ def _recording(modules):
     """The Triton (and Gluon) kernels of `modules` record (kernel, args, kwargs) into the yielded list
     instead of launching, and CPU tensors pass the ops layer's backend check."""
     import triton
-    from flashswitch import _common
+    from flashswitch import backends
 
     calls: list = []
 
@@ -65,16 +65,16 @@ def _recording(modules):
 
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m)
              if isinstance(getattr(m, n), triton.runtime.JITFunction)]
-    old_available = _common.backend_available
+    old_available = backends.available
     try:
         for m, n, fn in saved:
             setattr(m, n, Recorder(fn))
-        _common.backend_available = lambda backend, device: True
+        backends.available = lambda backend, device: True
         yield calls
     finally:
         for m, n, fn in saved:
             setattr(m, n, fn)
-        _common.backend_available = old_available
+        backends.available = old_available
 
 
 def _kernel_modules(op: str) -> list:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: `impo
 from common import (backend_usable, device_name, env_info, graph_ms, provenance, provenance_line,  # noqa: E402
                     results_dir)
 import flashswitch  # noqa: E402
-from flashswitch import registry  # noqa: E402
+from flashswitch import backends, registry  # noqa: E402
 from flashswitch.kernels_triton.kernel_call import normal_launches  # noqa: E402
 
 # (label, shape): the tiny shapes of the target first, then the shapes
@@ -160,7 +160,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", nargs="+", default=list(SHAPES))
     ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--backends", nargs="+", default=["triton", "cuda", "cupy"])
+    ap.add_argument("--backends", nargs="+", default=list(backends.KERNELS))
     ap.add_argument("--tiny-only", action="store_true", help="only the tiny shapes")
     ap.add_argument("--stub", action="store_true", help="Triton launches as no-ops (flashswitch's own cost)")
     ap.add_argument("--jit-launch", action="store_true",

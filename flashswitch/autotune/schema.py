@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from flashswitch._common import BACKENDS
+from flashswitch.backends import NAMES as BACKENDS
 
 
 def _pow2(lo: int, hi: int) -> Callable:

@@ -32,11 +32,11 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from flashswitch import _common as C
+from flashswitch import backends as BK
 from flashswitch import registry
 from flashswitch.autotune import space, store
 
-KERNEL_BACKENDS = C.KERNEL_BACKENDS
+KERNEL_BACKENDS = BK.KERNELS
 DEFAULT_BUDGET_S = 480.0
 MAX_RECORDED_FAILURES = 10
 RUNNERS_UP = 4  # the next-fastest configs kept beside the winner: how close the race was
@@ -212,17 +212,10 @@ def _problem_str(shape: dict, dtype: str) -> str:
 # ---------------------------------------------------------------- the tuner
 def _kernel_backends(device: torch.device, backends: Optional[Sequence[str]]) -> list[str]:
     names = KERNEL_BACKENDS if backends is None else [b for b in backends if b != "reference"]
-    out = []
     for b in names:
         if b not in KERNEL_BACKENDS:
             raise ValueError(f"backend must be one of {KERNEL_BACKENDS}, got {b!r}")
-        try:
-            ok = C.backend_available(b, device)
-        except Exception:  # a loader that cannot even be imported counts as unavailable
-            ok = False
-        if ok:
-            out.append(b)
-    return out
+    return BK.usable(device, names)
 
 
 def _verify_fn(spec: registry.OpSpec, backend: str, problem: dict, dtype: torch.dtype, expected: tuple,

@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from flashswitch import _common as C
-from flashswitch import call_plan
+from flashswitch import backends, call_plan
 from flashswitch.autotune import space
 
 OP = "chunk_summaries"
@@ -55,22 +55,9 @@ def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale
         return k_sum, v_sum, lse
     if config is None:
         config = call_plan.config(OP, backend, _features(k, chunk_size, key_weight, valid))
-    _launcher(backend)(k, v, omega, key_weight, valid, k_sum, v_sum, lse, chunk_size=chunk_size, scale=scale,
+    backends.launcher(backend, OP)(k, v, omega, key_weight, valid, k_sum, v_sum, lse, chunk_size=chunk_size, scale=scale,
                        config=config)
     return k_sum, v_sum, lse
-
-
-@functools.lru_cache(maxsize=None)
-def _launcher(backend: str) -> Callable:
-    if backend == "triton":
-        from flashswitch.kernels_triton.chunk_summaries import launch
-    elif backend == "cuda":
-        from flashswitch.bindings.cuda import chunk_summaries as launch
-    elif backend == "cupy":
-        from flashswitch.bindings.cupy import chunk_summaries as launch
-    else:
-        raise ValueError(f"unknown kernel backend {backend!r}")
-    return launch
 
 
 @torch.library.custom_op("flashswitch::chunk_summaries", mutates_args=())
@@ -100,7 +87,7 @@ def _run_backward(backend: str, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, k
     the Triton backward kernels. omega: None, [Hkv, D] or [B, Hkv, Nc, D]; dlse: None = no gradient
     into lse. config: complete (call_plan), None: looked up; plan: the call plan whose prepared
     launches to use."""
-    if backend not in C.KERNEL_BACKENDS:
+    if backend not in backends.KERNELS:
         raise ValueError(f"unknown kernel backend {backend!r}")
     dk = C.new_output(tuple(k.shape), k.dtype, k.device)
     dv = C.new_output(tuple(v.shape), v.dtype, v.device)
@@ -351,7 +338,7 @@ def _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend) -> _Plan:
     config = enqueue = None
     if backend != "reference" and B * H * N and D and not torch.compiler.is_compiling():
         config = call_plan.config(OP, backend, bucket or _features(k, chunk_size, key_weight, valid))
-        if backend == "triton":
+        if backends.TABLE[backend].prepare:
             enqueue = _prepare_triton(k, v, chunk_size, omega, key_weight, valid, scale, config)
     return _Plan(backend, config, scale, enqueue)
 

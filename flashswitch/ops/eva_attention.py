@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from flashswitch import _common as C
-from flashswitch import call_plan
+from flashswitch import backends, call_plan
 from flashswitch.autotune import space
 
 OP = "eva_attention"
@@ -41,19 +41,6 @@ def _features_bwd(q: torch.Tensor, k: torch.Tensor, chunk_size: int, window_size
                           decode=Nq <= 16, rows=B * H * Nq, keys=k.shape[2])
 
 
-@functools.lru_cache(maxsize=None)
-def _launcher(backend: str) -> Callable:
-    if backend == "triton":
-        from flashswitch.kernels_triton.eva_attention import launch
-    elif backend == "cuda":
-        from flashswitch.bindings.cuda import eva_attention as launch
-    elif backend == "cupy":
-        from flashswitch.bindings.cupy import eva_attention as launch
-    else:
-        raise ValueError(f"unknown kernel backend {backend!r}")
-    return launch
-
-
 def _run_backend(backend: str, q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset,
                  log_count, config=None, enqueue=None):
     """(o, lse) from `backend`'s launcher, or from `enqueue` (a call plan's prepared launch); config:
@@ -68,7 +55,7 @@ def _run_backend(backend: str, q, k, v, k_sum, v_sum, bias, chunk_size, window_s
         return o, lse
     if config is None:
         config = call_plan.config(OP, backend, _features(q, k, chunk_size, window_size, window))
-    _launcher(backend)(q, k, v, k_sum, v_sum, bias, o, lse, chunk_size=chunk_size, window_size=window_size,
+    backends.launcher(backend, OP)(q, k, v, k_sum, v_sum, bias, o, lse, chunk_size=chunk_size, window_size=window_size,
                        sliding=window == "sliding", scale=scale, q_offset=q_offset, log_count=log_count,
                        config=config)
     return o, lse
@@ -95,7 +82,7 @@ def _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_
     """(dq, dk, dv, dk_sum, dv_sum, dbias) by the Triton backward kernels, whichever the forward backend
     was; dbias is fp32 [B, Hkv, Nc] for a tensor bias, an empty tensor otherwise. dlse may be None.
     config: complete (call_plan), None: looked up; plan: the call plan whose prepared launches to use."""
-    if backend not in C.KERNEL_BACKENDS:
+    if backend not in backends.KERNELS:
         raise ValueError(f"unknown kernel backend {backend!r}")
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
@@ -403,7 +390,7 @@ def _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary
     config = enqueue = None
     if backend != "reference" and q.shape[0] * q.shape[1] * q.shape[2] and not torch.compiler.is_compiling():
         config = call_plan.config(OP, backend, bucket or _features(q, k, chunk_size, window_size, window))
-        if backend == "triton":
+        if backends.TABLE[backend].prepare:
             enqueue = _prepare_triton(q, k, v, k_sum, v_sum, _kernel_bias(bias), chunk_size, window_size, window,
                                       scale, q_offset, log_count, config)
     return _Plan(backend, config, scale, q_offset, bias is not None, log_count, enqueue)

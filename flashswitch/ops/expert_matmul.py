@@ -15,7 +15,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from flashswitch import _common as C
-from flashswitch import call_plan
+from flashswitch import backends, call_plan
 from flashswitch.autotune import space
 
 OP = "expert_matmul"
@@ -253,19 +253,6 @@ def _features(x3: torch.Tensor, weight: torch.Tensor, S: int, G_out: int, determ
                           deterministic=bool(deterministic))
 
 
-@functools.lru_cache(maxsize=None)
-def _launcher(backend: str):
-    if backend == "triton":
-        from flashswitch.kernels_triton.expert_matmul import launch
-    elif backend == "cuda":
-        from flashswitch.bindings.cuda import expert_matmul as launch
-    elif backend == "cupy":
-        from flashswitch.bindings.cupy import expert_matmul as launch
-    else:
-        raise ValueError(f"unknown kernel backend {backend!r}")
-    return launch
-
-
 def _run_backend(backend: str, x3, weight, gates, rt: Route, G_out: int, deterministic: bool, config=None,
                  enqueue=None):
     """y from `backend`'s launcher, or from `enqueue` (a call plan's prepared launch); config: complete
@@ -280,7 +267,7 @@ def _run_backend(backend: str, x3, weight, gates, rt: Route, G_out: int, determi
         return y
     if config is None:
         config = call_plan.config(OP, backend, _features(x3, weight, rt.S, G_out, deterministic))
-    _launcher(backend)(x3, weight, gates, rt, y, G_in=G_in, G_out=G_out, deterministic=deterministic,
+    backends.launcher(backend, OP)(x3, weight, gates, rt, y, G_in=G_in, G_out=G_out, deterministic=deterministic,
                        config=config)
     return y
 
@@ -313,7 +300,7 @@ def _run_backward(backend: str, dy, x3, weight, gates, rt: Route, G_out: int, ne
     gradient not asked for (or gates None) is an empty tensor. dweight is exactly zero for experts
     with no pairs; the result is bitwise reproducible (no float atomics, fixed-order sums).
     config: complete (call_plan), None: looked up; plan: the call plan whose prepared launches to use."""
-    if backend not in C.KERNEL_BACKENDS:
+    if backend not in backends.KERNELS:
         raise ValueError(f"unknown kernel backend {backend!r}")
     T, G_in, d_in = x3.shape
     dev = x3.device
@@ -547,7 +534,7 @@ def _plan(x, route, weight, gates, out_groups, deterministic, backend) -> _Plan:
     config = enqueue = None
     if backend != "reference" and x.shape[0] * weight.shape[2] and not torch.compiler.is_compiling():
         config = call_plan.config(OP, backend, bucket or _features(x3, weight, route.S, G_out, deterministic))
-        if backend == "triton":
+        if backends.TABLE[backend].prepare:
             enqueue = _prepare_triton(x3, weight, gates, route, G_in, G_out, deterministic, config)
     return _Plan(backend, config, G_out, enqueue)
 
