@@ -18,6 +18,8 @@ os.environ["FLASHSWITCH_POISON"] = "1"  # every kernel output starts as NaN: unw
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+from flashswitch.backends import KERNELS  # noqa: E402
+
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                print_blob=True, database=None)
 _DEFAULT = "gpu" if torch.cuda.is_available() else "ci"
@@ -33,7 +35,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def kernel_backends():
     """Kernel backends that can run in this process (triton runs on the CPU under the interpreter)."""
     from flashswitch import backends
-    return [b for b in backends.KERNELS if backends.available(b, torch.device(DEVICE))]
+    return backends.usable(torch.device(DEVICE), KERNELS)
 
 
 TIMES_ENV = "FLASHSWITCH_TEST_TIMES"  # a file: one "seconds<TAB>outcome<TAB>test id" line per finished test
@@ -55,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(params=["triton", "cuda", "cupy"])
+@pytest.fixture(params=KERNELS)
 def backend(request):
     """Each kernel backend; skipped where it cannot run here."""
     if request.param not in kernel_backends():

@@ -251,7 +251,7 @@ def test_explicit_configs(backend):
     """Every backward tuning candidate computes the same gradients (run_backward with that config)."""
     for shape in (dict(B=1, H=2, N=45, D=76, C=5), dict(B=1, H=1, N=150, D=16, C=100)):
         p = random_problem(device=DEVICE, omega="head", key_weight=True, valid=True, **shape)
-        feats = op._features_bwd(p["k"], p["chunk_size"], p["key_weight"], p["valid"])
+        feats = op._features(op.OP_BWD, p["k"], p["chunk_size"])
         configs = space.config_space(op.OP_BWD, "triton", feats)
         assert configs and space.default_config(op.OP_BWD, "triton", feats) in configs
         if not GPU:  # the interpreter ignores warps and stages

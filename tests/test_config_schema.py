@@ -9,6 +9,7 @@ import warnings
 import pytest
 
 from flashswitch.autotune import schema, space, store
+from flashswitch.backends import KERNELS
 
 DEV = "Fake GPU 9000"
 OP = "expert_matmul"
@@ -141,7 +142,7 @@ def _backward_buckets():
 def test_every_space_config_passes_the_schema():
     n = 0
     for op, f in list(_forward_buckets()) + list(_backward_buckets()):
-        for backend in ("triton", "cuda", "cupy"):
+        for backend in KERNELS:
             for cfg in space.config_space(op, backend, f) + [space.default_config(op, backend, f)]:
                 assert schema.config_problems(op, backend, cfg) == [], (op, backend, cfg)
                 n += 1

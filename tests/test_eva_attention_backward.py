@@ -357,7 +357,7 @@ def test_explicit_configs_from_the_space(bwd_backend, dtype, decode, index):
 def test_backward_features_and_default():
     q = torch.zeros(1, 4, 33, 64, dtype=torch.bfloat16)
     k = torch.zeros(1, 2, 100, 64, dtype=torch.bfloat16)
-    f = op._features_bwd(q, k, 16, 64, "sliding")
+    f = op._features(op.OP_BWD, q, k, 16, 64, "sliding")
     assert f == dict(dtype="bf16", D=64, C=16, W=64, window="sliding", decode=False, rows=128, keys=128)
     for dtype in ("fp32", "fp16", "bf16"):
         for D in (16, 64, 128, 256):
@@ -577,7 +577,7 @@ def test_large_16bit_split_loops(bwd_backend, dtype, D, window, C, W, splits):
                        device=DEVICE, seed=D)
     do, dlse = _upstream(p, D)
     ins, b, rest = _split(p)
-    f = op._features_bwd(p["q"], p["k"], C, W, window)
+    f = op._features(op.OP_BWD, p["q"], p["k"], C, W, window)
     cfg = dict(space.default_config(op.OP_BWD, "triton", f), SUM_SPLITS=splits, KV_SPLIT_LOOPS=True)
     got = op.run_backward(bwd_backend, cfg, (do, dlse), **ins, **rest, summary_bias=b)
     _check(got, p, do, dlse)

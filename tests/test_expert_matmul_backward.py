@@ -315,8 +315,8 @@ def test_backward_space_has_default():
         for dtype in (torch.bfloat16, torch.float32):
             q = random_problem(**dict(kw, T=16), dtype=dtype)
             x3 = op._x3(q["x"])
-            f = op._features_bwd(x3, q["weight"], q["expert_idx"].shape[1],
-                                 q["out_groups"] or q["expert_idx"].shape[1], q["gates"] is not None)
+            f = op._features(op.OP_BWD, x3, q["weight"], q["expert_idx"].shape[1],
+                             q["out_groups"] or q["expert_idx"].shape[1], q["gates"] is not None)
             f["tokens"] = 16384
             configs = space.config_space(op.OP_BWD, "triton", f)
             default = space.default_config(op.OP_BWD, "triton", f)

@@ -9,15 +9,15 @@ backend (triton, cuda, cupy); the reference backend is differentiated by autogra
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from flashswitch import _common as C
 from flashswitch import backends, call_plan
 from flashswitch.autotune import space
+from flashswitch.ops import _skeleton
 
 OP = "chunk_summaries"
 OP_BWD = OP + ".bwd"
@@ -25,14 +25,10 @@ MAX_KERNEL_D = 256
 GRAD_INPUTS = ("k", "v", "omega", "key_weight")  # what run_backward returns, in this order
 
 
-def _features(k: torch.Tensor, chunk_size: int, key_weight, valid) -> dict:
+def _features(table: str, k: torch.Tensor, chunk_size: int) -> dict:
+    """The autotune bucket of `table` (OP or OP_BWD)."""
     B, H, N, D = k.shape
-    return space.features(OP, dtype=C.DTYPE_NAMES[k.dtype], D=D, C=chunk_size, rows=B * H * N)
-
-
-def _features_bwd(k: torch.Tensor, chunk_size: int, key_weight, valid) -> dict:
-    B, H, N, D = k.shape
-    return space.features(OP_BWD, dtype=C.DTYPE_NAMES[k.dtype], D=D, C=chunk_size, rows=B * H * N)
+    return space.features(table, dtype=C.DTYPE_NAMES[k.dtype], D=D, C=chunk_size, rows=B * H * N)
 
 
 def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale, config=None, enqueue=None):
@@ -50,13 +46,11 @@ def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale
         from flashswitch.reference.chunk_summaries import torch_chunk_summaries
         lse.copy_(torch_chunk_summaries(k, v, chunk_size, valid=valid, return_lse=True)[2])
         return k_sum, v_sum, lse
-    if enqueue is not None:
-        enqueue(k, v, omega, key_weight, valid, k_sum, v_sum, lse)
-        return k_sum, v_sum, lse
-    if config is None:
-        config = call_plan.config(OP, backend, _features(k, chunk_size, key_weight, valid))
-    backends.launcher(backend, OP)(k, v, omega, key_weight, valid, k_sum, v_sum, lse, chunk_size=chunk_size, scale=scale,
-                       config=config)
+    if enqueue is None:
+        if config is None:
+            config = call_plan.config(OP, backend, _features(OP, k, chunk_size))
+        enqueue = _skeleton.forward_launch(OP, backend, config, dict(chunk_size=chunk_size, scale=scale))
+    enqueue(k, v, omega, key_weight, valid, k_sum, v_sum, lse)
     return k_sum, v_sum, lse
 
 
@@ -87,20 +81,18 @@ def _run_backward(backend: str, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, k
     the Triton backward kernels. omega: None, [Hkv, D] or [B, Hkv, Nc, D]; dlse: None = no gradient
     into lse. config: complete (call_plan), None: looked up; plan: the call plan whose prepared
     launches to use."""
-    if backend not in backends.KERNELS:
-        raise ValueError(f"unknown kernel backend {backend!r}")
     dk = C.new_output(tuple(k.shape), k.dtype, k.device)
     dv = C.new_output(tuple(v.shape), v.dtype, v.device)
     domega = None if omega is None else C.new_output(tuple(omega.shape), omega.dtype, omega.device)
     dkw = None if key_weight is None else C.new_output(tuple(key_weight.shape), key_weight.dtype, k.device)
-    tensors = (k, v, omega, key_weight, valid, _unit_last(dk_sum), _unit_last(dv_sum), dlse, dk, dv, domega, dkw)
-    if plan is not None:
-        enqueue = plan.backward_enqueue(tensors, chunk_size)
-    else:
-        if config is None:
-            config = call_plan.config(OP_BWD, "triton", _features_bwd(k, chunk_size, key_weight, valid))
-        from flashswitch.kernels_triton.chunk_summaries_bwd import prepare
-        enqueue = prepare(*tensors, chunk_size=chunk_size, scale=scale, config=config)
+    dk_sum, dv_sum = _unit_last(dk_sum), _unit_last(dv_sum)
+    tensors = (k, v, omega, key_weight, valid, dk_sum, dv_sum, dlse, dk, dv, domega, dkw)
+    # the prepared launch per layout of the upstream gradients
+    key = (dk_sum.stride(), dv_sum.stride(), None if dlse is None else (dlse.dtype, dlse.stride()))
+    enqueue = None if plan is None else plan.backward.get(key)
+    if enqueue is None:
+        enqueue = _skeleton.backward_launch(OP, backend, plan, key, config, (_features, k, chunk_size), *tensors,
+                                            chunk_size=chunk_size, scale=scale)
     enqueue(*tensors)
     return dk, dv, domega, dkw
 
@@ -112,8 +104,7 @@ def _chunk_summaries_backward_op(dk_sum: torch.Tensor, dv_sum: torch.Tensor, dls
                                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dk, dv, domega, dkw = _run_backward(backend, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, key_weight,
                                         valid, scale)
-    # a custom op returns tensors only: empty ones stand for the gradients of absent inputs
-    return dk, dv, k.new_empty(0) if domega is None else domega, k.new_empty(0) if dkw is None else dkw
+    return dk, dv, _skeleton.absent(k) if domega is None else domega, _skeleton.absent(k) if dkw is None else dkw
 
 
 @_chunk_summaries_backward_op.register_fake
@@ -187,12 +178,12 @@ def _kernel_view(k, chunk_size, omega):
 
 def problem_features(k, v, chunk_size, omega=None, key_weight=None, valid=None, scale=None) -> dict:
     """The autotune bucket of a problem (keyword arguments as `chunk_summaries` takes them)."""
-    return _features(k, chunk_size, key_weight, valid)
+    return _features(OP, k, chunk_size)
 
 
 def problem_features_bwd(k, v, chunk_size, omega=None, key_weight=None, valid=None, scale=None) -> dict:
     """The backward pass's autotune bucket of a problem (keyword arguments as `chunk_summaries` takes them)."""
-    return _features_bwd(k, chunk_size, key_weight, valid)
+    return _features(OP_BWD, k, chunk_size)
 
 
 def run_kernel(backend: str, config: dict, k, v, chunk_size, omega=None, key_weight=None, valid=None,
@@ -200,7 +191,7 @@ def run_kernel(backend: str, config: dict, k, v, chunk_size, omega=None, key_wei
     """One kernel call with an explicit config, for the tuner and the benchmarks: (k_sum, v_sum, lse)."""
     scale = _validate(k, v, chunk_size, omega, key_weight, valid, scale)
     if config is not None:
-        config = call_plan.complete_config(OP, backend, _features(k, chunk_size, key_weight, valid), config)
+        config = call_plan.complete_config(OP, backend, _features(OP, k, chunk_size), config)
     return _run_backend(backend, k, v, chunk_size, omega, key_weight, valid, scale, config)
 
 
@@ -216,7 +207,7 @@ def run_backward(backend: str, config, grad_outputs, k, v, chunk_size, omega=Non
     """
     scale = _validate(k, v, chunk_size, omega, key_weight, valid, scale)
     dk_sum, dv_sum, dlse = (tuple(grad_outputs) + (None,))[:3]
-    if backend == "reference":
+    if not backends.TABLE[backend].kernels:
         from flashswitch.reference.chunk_summaries import torch_chunk_summaries
         inputs = {"k": k, "v": v, "omega": omega, "key_weight": key_weight}
         leaves = {n: t.detach().requires_grad_(True) for n, t in inputs.items() if t is not None}
@@ -249,7 +240,7 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
     if plan is None:
         plan = _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend)
         _PLANS.put(key, plan)
-    if plan.backend == "reference" or not C.kernels_serve(backend, k, v, omega, key_weight):
+    if not plan.kernels or not C.kernels_serve(backend, k, v, omega, key_weight):
         from flashswitch.reference.chunk_summaries import torch_chunk_summaries
         out = torch_chunk_summaries(k, v, chunk_size, omega=omega, key_weight=key_weight, valid=valid,
                                     scale=plan.scale, return_lse=True)
@@ -287,33 +278,9 @@ class _EagerAutograd(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------- call plans
-@dataclass(frozen=True)
-class _Plan:
-    """What a call decides from its arguments' metadata (call_plan.py)."""
-    backend: str
-    config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
+@dataclass(frozen=True, kw_only=True)
+class _Plan(_skeleton.Plan):
     scale: float
-    enqueue: Optional[Callable] = None  # the Triton launch prepared for this signature (kernels_triton)
-    _backward: dict = field(default_factory=dict, compare=False)  # the backward's config and prepared launches
-
-    def backward_enqueue(self, tensors: tuple, chunk_size: int) -> Callable:
-        """The backward's launch for this signature, prepared by its first use per layout of the upstream
-        gradients (dk_sum's and dv_sum's strides, dlse's presence and strides) with one config lookup;
-        tensors in kernels_triton/chunk_summaries_bwd.launch's order."""
-        dk_sum, dv_sum, dlse = tensors[5:8]
-        key = (dk_sum.stride(), dv_sum.stride(), None if dlse is None else (dlse.dtype, dlse.stride()))
-        enqueue = self._backward.get(key)
-        if enqueue is None:
-            from flashswitch.kernels_triton.chunk_summaries_bwd import prepare
-            from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
-            k, key_weight, valid = tensors[0], tensors[3], tensors[4]
-            cfg = self._backward.get("config")
-            if cfg is None:
-                cfg = self._backward["config"] = call_plan.config(
-                    OP_BWD, "triton", _features_bwd(k, chunk_size, key_weight, valid))
-            enqueue = self._backward[key] = prepare(*tensors, chunk_size=chunk_size, scale=self.scale, config=cfg,
-                                                    fast=fast_launch_wanted(k.device))
-        return enqueue
 
 
 _PLANS = call_plan.PlanCache()
@@ -325,35 +292,21 @@ def _call_key(k, v, chunk_size, omega, key_weight, valid, scale, backend):
 
 
 def _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend) -> _Plan:
-    """Every check, the backend and the config: the uncached part of a call."""
+    """Every check, the backend, the config and the forward launch: the uncached part of a call."""
     scale = _validate(k, v, chunk_size, omega, key_weight, valid, scale)
-    bucket = _features(k, chunk_size, key_weight, valid) if k.is_cuda else None
-    if k.shape[-1] > MAX_KERNEL_D and backend == "auto":
+    B, H, N, D = k.shape
+    if D > MAX_KERNEL_D and backend == "auto":
         backend = "reference"
-    backend = call_plan.resolve_backend(OP, backend, k.device, bucket)
-    if backend != "reference" and k.shape[-1] > MAX_KERNEL_D:
-        raise ValueError(f"k has head dim D={k.shape[-1]}; the {backend} kernels support D <= {MAX_KERNEL_D} "
+    backend, bucket = _skeleton.resolve(OP, backend, k.device, _features, k, chunk_size)
+    if backends.TABLE[backend].kernels and D > MAX_KERNEL_D:
+        raise ValueError(f"k has head dim D={D}; the {backend} kernels support D <= {MAX_KERNEL_D} "
                          f"(use backend='reference')")
-    B, H, N, D = k.shape
-    config = enqueue = None
-    if backend != "reference" and B * H * N and D and not torch.compiler.is_compiling():
-        config = call_plan.config(OP, backend, bucket or _features(k, chunk_size, key_weight, valid))
-        if backends.TABLE[backend].prepare:
-            enqueue = _prepare_triton(k, v, chunk_size, omega, key_weight, valid, scale, config)
-    return _Plan(backend, config, scale, enqueue)
-
-
-def _prepare_triton(k, v, chunk_size, omega, key_weight, valid, scale, config) -> Callable:
-    """The Triton launch of this signature, prepared once (outputs as meta tensors: only their shapes,
-    strides and dtypes are read)."""
-    from flashswitch.kernels_triton import chunk_summaries as kernels
-    from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
-    B, H, N, D = k.shape
     Nc = -(-N // chunk_size)
-    meta = [torch.empty(shape, dtype=dtype, device="meta")
-            for shape, dtype in (((B, H, Nc, D), k.dtype), ((B, H, Nc, D), v.dtype), ((B, H, Nc), torch.float32))]
-    return kernels.prepare(k, v, _kernel_view(k, chunk_size, omega), key_weight, valid, *meta, chunk_size=chunk_size,
-                           scale=scale, config=config, fast=fast_launch_wanted(k.device))
+    outputs = [torch.empty(shape, dtype=dtype, device="meta")  # only their shapes, strides and dtypes are read
+               for shape, dtype in (((B, H, Nc, D), k.dtype), ((B, H, Nc, D), v.dtype), ((B, H, Nc), torch.float32))]
+    launch = (dict(chunk_size=chunk_size, scale=scale), (k, v, _kernel_view(k, chunk_size, omega), key_weight, valid),
+              outputs) if B * H * N and D else None
+    return _skeleton.kernel_plan(_Plan, OP, backend, bucket, (_features, k, chunk_size), launch, scale=scale)
 
 
 __all__ = ["chunk_summaries"]

@@ -12,15 +12,15 @@ Non-finite inputs reach only the queries that see them (SPEC.md, "Op 2").
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from flashswitch import _common as C
-from flashswitch import backends, call_plan
+from flashswitch import call_plan
 from flashswitch.autotune import space
+from flashswitch.ops import _skeleton
 
 OP = "eva_attention"
 OP_BWD = OP + ".bwd"
@@ -29,15 +29,10 @@ WINDOWS = ("block", "sliding")
 BIAS_DTYPES = C.FLOAT_DTYPES + (torch.float64,)
 
 
-def _features(q: torch.Tensor, k: torch.Tensor, chunk_size: int, window_size: int, window: str) -> dict:
+def _features(table: str, q: torch.Tensor, k: torch.Tensor, chunk_size: int, window_size: int, window: str) -> dict:
+    """The autotune bucket of `table` (OP or OP_BWD)."""
     B, H, Nq, D = q.shape
-    return space.features(OP, dtype=C.DTYPE_NAMES[q.dtype], D=D, C=chunk_size, W=window_size, window=window,
-                          decode=Nq <= 16, rows=B * H * Nq, keys=k.shape[2])
-
-
-def _features_bwd(q: torch.Tensor, k: torch.Tensor, chunk_size: int, window_size: int, window: str) -> dict:
-    B, H, Nq, D = q.shape
-    return space.features(OP_BWD, dtype=C.DTYPE_NAMES[q.dtype], D=D, C=chunk_size, W=window_size, window=window,
+    return space.features(table, dtype=C.DTYPE_NAMES[q.dtype], D=D, C=chunk_size, W=window_size, window=window,
                           decode=Nq <= 16, rows=B * H * Nq, keys=k.shape[2])
 
 
@@ -50,15 +45,19 @@ def _run_backend(backend: str, q, k, v, k_sum, v_sum, bias, chunk_size, window_s
     lse = C.new_output((B, H, Nq), torch.float32, q.device)
     if B * H * Nq == 0:
         return o, lse
-    if enqueue is not None:
-        enqueue(q, k, v, k_sum, v_sum, bias, o, lse)
-        return o, lse
-    if config is None:
-        config = call_plan.config(OP, backend, _features(q, k, chunk_size, window_size, window))
-    backends.launcher(backend, OP)(q, k, v, k_sum, v_sum, bias, o, lse, chunk_size=chunk_size, window_size=window_size,
-                       sliding=window == "sliding", scale=scale, q_offset=q_offset, log_count=log_count,
-                       config=config)
+    if enqueue is None:
+        if config is None:
+            config = call_plan.config(OP, backend, _features(OP, q, k, chunk_size, window_size, window))
+        enqueue = _skeleton.forward_launch(OP, backend, config, _scalars(chunk_size, window_size, window, scale,
+                                                                         q_offset, log_count))
+    enqueue(q, k, v, k_sum, v_sum, bias, o, lse)
     return o, lse
+
+
+def _scalars(chunk_size, window_size, window, scale, q_offset, log_count) -> dict:
+    """The launchers' keyword arguments (forward and backward)."""
+    return dict(chunk_size=chunk_size, window_size=window_size, sliding=window == "sliding", scale=scale,
+                q_offset=q_offset, log_count=log_count)
 
 
 @torch.library.custom_op("flashswitch::eva_attention", mutates_args=())
@@ -82,8 +81,6 @@ def _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_
     """(dq, dk, dv, dk_sum, dv_sum, dbias) by the Triton backward kernels, whichever the forward backend
     was; dbias is fp32 [B, Hkv, Nc] for a tensor bias, an empty tensor otherwise. dlse may be None.
     config: complete (call_plan), None: looked up; plan: the call plan whose prepared launches to use."""
-    if backend not in backends.KERNELS:
-        raise ValueError(f"unknown kernel backend {backend!r}")
     B, H, Nq, D = q.shape
     Hkv, Nk, Nc = k.shape[1], k.shape[2], k_sum.shape[2]
     dq = C.new_output((B, H, Nq, D), q.dtype, q.device)
@@ -91,7 +88,7 @@ def _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_
     dv = C.new_output((B, Hkv, Nk, D), v.dtype, q.device)
     dk_sum = C.new_output((B, Hkv, Nc, D), k_sum.dtype, q.device)
     dv_sum = C.new_output((B, Hkv, Nc, D), v_sum.dtype, q.device)
-    dbias = C.new_output((B, Hkv, Nc), torch.float32, q.device) if bias is not None else q.new_empty(0)
+    dbias = C.new_output((B, Hkv, Nc), torch.float32, q.device) if bias is not None else _skeleton.absent(q)
     if B * Hkv * D == 0:
         for t in (dq, dk, dv, dk_sum, dv_sum, dbias):
             t.zero_()
@@ -102,15 +99,13 @@ def _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_
         dlse = dlse.contiguous()
     tensors = (q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum,
                dbias if bias is not None else None)
-    args = dict(chunk_size=chunk_size, window_size=window_size, sliding=window == "sliding", scale=scale,
-                q_offset=q_offset, log_count=log_count)
-    if plan is not None:
-        enqueue = plan.backward_enqueue(tensors, args, window)
-    else:
-        if config is None:
-            config = call_plan.config(OP_BWD, "triton", _features_bwd(q, k, chunk_size, window_size, window))
-        from flashswitch.kernels_triton.eva_attention_bwd import prepare
-        enqueue = prepare(*tensors, **args, config=config)
+    # the prepared launch per layout of the upstream gradients
+    key = (do.stride(), None if dlse is None else (dlse.dtype, dlse.stride()))
+    enqueue = None if plan is None else plan.backward.get(key)
+    if enqueue is None:
+        enqueue = _skeleton.backward_launch(OP, backend, plan, key, config, (_features, q, k, chunk_size, window_size,
+                                                                            window), *tensors,
+                                            **_scalars(chunk_size, window_size, window, scale, q_offset, log_count))
     enqueue(*tensors)
     return dq, dk, dv, dk_sum, dv_sum, dbias
 
@@ -129,7 +124,7 @@ def _eva_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 @_eva_attention_backward_op.register_fake
 def _(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_size, window_size, window, scale, q_offset, log_count,
       backend):
-    dbias = q.new_empty(bias.shape, dtype=torch.float32) if bias is not None else q.new_empty(0)
+    dbias = q.new_empty(bias.shape, dtype=torch.float32) if bias is not None else _skeleton.absent(q)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
@@ -229,13 +224,13 @@ def _kernel_bias(bias):
 def problem_features(q, k, v, k_sum, v_sum, chunk_size, window_size, window="block", scale=None,
                      summary_bias=None, q_offset=None, return_lse=False) -> dict:
     """The autotune bucket of a problem (keyword arguments as `eva_attention` takes them)."""
-    return _features(q, k, chunk_size, window_size, window)
+    return _features(OP, q, k, chunk_size, window_size, window)
 
 
 def problem_features_bwd(q, k, v, k_sum, v_sum, chunk_size, window_size, window="block", scale=None,
                          summary_bias=None, q_offset=None, return_lse=False) -> dict:
     """The backward pass's autotune bucket of a problem (keyword arguments as `eva_attention` takes them)."""
-    return _features_bwd(q, k, chunk_size, window_size, window)
+    return _features(OP_BWD, q, k, chunk_size, window_size, window)
 
 
 def run_kernel(backend: str, config: dict, q, k, v, k_sum, v_sum, chunk_size, window_size, window="block",
@@ -244,7 +239,7 @@ def run_kernel(backend: str, config: dict, q, k, v, k_sum, v_sum, chunk_size, wi
     scale, q_offset, bias, log_count = _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
                                                  summary_bias, q_offset)
     if config is not None:
-        config = call_plan.complete_config(OP, backend, _features(q, k, chunk_size, window_size, window), config)
+        config = call_plan.complete_config(OP, backend, _features(OP, q, k, chunk_size, window_size, window), config)
     return _run_backend(backend, q, k, v, k_sum, v_sum, _kernel_bias(bias), chunk_size, window_size, window,
                         scale, q_offset, log_count, config)
 
@@ -296,7 +291,7 @@ def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torc
     if plan is None:
         plan = _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset, backend)
         _PLANS.put(key, plan)
-    if plan.backend == "reference" or not C.kernels_serve(
+    if not plan.kernels or not C.kernels_serve(
             backend, q, k, v, k_sum, v_sum, summary_bias if isinstance(summary_bias, torch.Tensor) else None):
         from flashswitch.reference.eva_attention import torch_eva_attention
         out = torch_eva_attention(q, k, v, k_sum, v_sum, chunk_size=chunk_size, window_size=window_size,
@@ -340,35 +335,12 @@ class _EagerAutograd(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------- call plans
-@dataclass(frozen=True)
-class _Plan:
-    """What a call decides from its arguments' metadata (call_plan.py)."""
-    backend: str
-    config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
+@dataclass(frozen=True, kw_only=True)
+class _Plan(_skeleton.Plan):
     scale: float
     q_offset: int
     bias_tensor: bool
     log_count: bool
-    enqueue: Optional[Callable] = None  # the Triton launch prepared for this signature (kernels_triton)
-    _backward: dict = field(default_factory=dict, compare=False)  # the backward's config and prepared launches
-
-    def backward_enqueue(self, tensors: tuple, args: dict, window: str) -> Callable:
-        """The backward's launches for this signature, prepared by their first use per layout of the
-        upstream gradients (dO's strides, dlse's presence and strides) with one config lookup; tensors
-        in kernels_triton/eva_attention_bwd.launch's order."""
-        do, dlse = tensors[8], tensors[9]
-        key = (do.stride(), None if dlse is None else (dlse.dtype, dlse.stride()))
-        enqueue = self._backward.get(key)
-        if enqueue is None:
-            from flashswitch.kernels_triton.eva_attention_bwd import prepare
-            from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
-            q, k = tensors[0], tensors[1]
-            cfg = self._backward.get("config")
-            if cfg is None:
-                cfg = self._backward["config"] = call_plan.config(
-                    OP_BWD, "triton", _features_bwd(q, k, args["chunk_size"], args["window_size"], window))
-            enqueue = self._backward[key] = prepare(*tensors, **args, config=cfg, fast=fast_launch_wanted(q.device))
-        return enqueue
 
 
 _PLANS = call_plan.PlanCache()
@@ -382,32 +354,18 @@ def _call_key(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, sum
 
 
 def _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset, backend) -> _Plan:
-    """Every check, the backend and the config: the uncached part of a call."""
+    """Every check, the backend, the config and the forward launch: the uncached part of a call."""
     scale, q_offset, bias, log_count = _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
                                                  summary_bias, q_offset)
-    bucket = _features(q, k, chunk_size, window_size, window) if q.is_cuda else None
-    backend = call_plan.resolve_backend(OP, backend, q.device, bucket)
-    config = enqueue = None
-    if backend != "reference" and q.shape[0] * q.shape[1] * q.shape[2] and not torch.compiler.is_compiling():
-        config = call_plan.config(OP, backend, bucket or _features(q, k, chunk_size, window_size, window))
-        if backends.TABLE[backend].prepare:
-            enqueue = _prepare_triton(q, k, v, k_sum, v_sum, _kernel_bias(bias), chunk_size, window_size, window,
-                                      scale, q_offset, log_count, config)
-    return _Plan(backend, config, scale, q_offset, bias is not None, log_count, enqueue)
-
-
-def _prepare_triton(q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset, log_count,
-                    config) -> Callable:
-    """The Triton launch of this signature, prepared once (outputs as meta tensors: only their shapes,
-    strides and dtypes are read)."""
-    from flashswitch.kernels_triton import eva_attention as kernels
-    from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
+    features = (_features, q, k, chunk_size, window_size, window)
+    backend, bucket = _skeleton.resolve(OP, backend, q.device, *features)
     B, H, Nq, D = q.shape
-    o = torch.empty((B, H, Nq, D), dtype=q.dtype, device="meta")
-    lse = torch.empty((B, H, Nq), dtype=torch.float32, device="meta")
-    return kernels.prepare(q, k, v, k_sum, v_sum, bias, o, lse, chunk_size=chunk_size, window_size=window_size,
-                           sliding=window == "sliding", scale=scale, q_offset=q_offset, log_count=log_count,
-                           config=config, fast=fast_launch_wanted(q.device))
+    outputs = (torch.empty((B, H, Nq, D), dtype=q.dtype, device="meta"),  # only shapes, strides and dtypes are read
+               torch.empty((B, H, Nq), dtype=torch.float32, device="meta"))
+    launch = (_scalars(chunk_size, window_size, window, scale, q_offset, log_count),
+              (q, k, v, k_sum, v_sum, _kernel_bias(bias)), outputs) if B * H * Nq else None
+    return _skeleton.kernel_plan(_Plan, OP, backend, bucket, features, launch, scale=scale, q_offset=q_offset,
+                                 bias_tensor=bias is not None, log_count=log_count)
 
 
 __all__ = ["eva_attention", "run_backward", "GRAD_INPUTS"]

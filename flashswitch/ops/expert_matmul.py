@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from flashswitch import _common as C
 from flashswitch import backends, call_plan
 from flashswitch.autotune import space
+from flashswitch.ops import _skeleton
 
 OP = "expert_matmul"
 OP_BWD = OP + ".bwd"  # the backward kernels' table in the tuned-config store and key in autotune/space.py
@@ -245,12 +246,13 @@ def _validate(x, route, weight, gates, out_groups, deterministic):
     return _groups(route, x, out_groups)
 
 
-def _features(x3: torch.Tensor, weight: torch.Tensor, S: int, G_out: int, deterministic: bool) -> dict:
+def _features(table: str, x3: torch.Tensor, weight: torch.Tensor, S: int, G_out: int, flag: bool) -> dict:
+    """The autotune bucket of `table`; `flag`: the forward's `deterministic`, the backward's gated (OP_BWD)."""
     T, G_in, d_in = x3.shape
     E, _, d_out = weight.shape
-    return space.features(OP, dtype=C.DTYPE_NAMES[x3.dtype], wdtype=C.DTYPE_NAMES[weight.dtype], d_in=d_in,
-                          d_out=d_out, E=E, S=S, G_in=G_in, G_out=G_out, tokens=T,
-                          deterministic=bool(deterministic))
+    flag = {"gated" if table == OP_BWD else "deterministic": bool(flag)}
+    return space.features(table, dtype=C.DTYPE_NAMES[x3.dtype], wdtype=C.DTYPE_NAMES[weight.dtype], d_in=d_in,
+                          d_out=d_out, E=E, S=S, G_in=G_in, G_out=G_out, tokens=T, **flag)
 
 
 def _run_backend(backend: str, x3, weight, gates, rt: Route, G_out: int, deterministic: bool, config=None,
@@ -262,13 +264,12 @@ def _run_backend(backend: str, x3, weight, gates, rt: Route, G_out: int, determi
     y = C.new_output((T, G_out, d_out), x3.dtype, x3.device)
     if y.numel() == 0:
         return y
-    if enqueue is not None:
-        enqueue(x3, weight, gates, rt, y)
-        return y
-    if config is None:
-        config = call_plan.config(OP, backend, _features(x3, weight, rt.S, G_out, deterministic))
-    backends.launcher(backend, OP)(x3, weight, gates, rt, y, G_in=G_in, G_out=G_out, deterministic=deterministic,
-                       config=config)
+    if enqueue is None:
+        if config is None:
+            config = call_plan.config(OP, backend, _features(OP, x3, weight, rt.S, G_out, deterministic))
+        enqueue = _skeleton.forward_launch(OP, backend, config, dict(G_in=G_in, G_out=G_out,
+                                                                     deterministic=deterministic))
+    enqueue(x3, weight, gates, rt, y)
     return y
 
 
@@ -287,38 +288,28 @@ def _(x3, weight, gates, token, slot, offsets, S, G_out, deterministic, backend)
 
 
 # ---------------------------------------------------------------- backward
-def _features_bwd(x3: torch.Tensor, weight: torch.Tensor, S: int, G_out: int, gated: bool) -> dict:
-    T, G_in, d_in = x3.shape
-    E, _, d_out = weight.shape
-    return space.features(OP_BWD, dtype=C.DTYPE_NAMES[x3.dtype], wdtype=C.DTYPE_NAMES[weight.dtype], d_in=d_in,
-                          d_out=d_out, E=E, S=S, G_in=G_in, G_out=G_out, tokens=T, gated=bool(gated))
-
-
 def _run_backward(backend: str, dy, x3, weight, gates, rt: Route, G_out: int, need_x: bool, need_weight: bool,
                   need_gates: bool, config=None, plan: Optional["_Plan"] = None):
     """(dx3, dweight, dgates) from the Triton backward kernels (every kernel backend uses them); a
     gradient not asked for (or gates None) is an empty tensor. dweight is exactly zero for experts
     with no pairs; the result is bitwise reproducible (no float atomics, fixed-order sums).
     config: complete (call_plan), None: looked up; plan: the call plan whose prepared launches to use."""
-    if backend not in backends.KERNELS:
-        raise ValueError(f"unknown kernel backend {backend!r}")
     T, G_in, d_in = x3.shape
     dev = x3.device
-    dx = C.new_output(x3.shape, x3.dtype, dev) if need_x else x3.new_empty(0)
-    dw = C.new_output(weight.shape, weight.dtype, dev) if need_weight else weight.new_empty(0)
+    dx = C.new_output(x3.shape, x3.dtype, dev) if need_x else _skeleton.absent(x3)
+    dw = C.new_output(weight.shape, weight.dtype, dev) if need_weight else _skeleton.absent(weight)
     need_gates = need_gates and gates is not None
-    dg = C.new_output(gates.shape, gates.dtype, dev) if need_gates else x3.new_empty(0)
+    dg = C.new_output(gates.shape, gates.dtype, dev) if need_gates else _skeleton.absent(x3)
     want = (dx.numel() > 0, dw.numel() > 0, dg.numel() > 0)
     if not any(want):
         return dx, dw, dg
     dy = dy.to(x3.dtype).contiguous()  # e.g. the expanded (stride 0) gradient of y.sum()
-    if plan is not None:
-        enqueue = plan.backward_enqueue(x3, weight, gates, rt, dy, want)
-    else:
-        if config is None:
-            config = call_plan.config(OP_BWD, "triton", _features_bwd(x3, weight, rt.S, G_out, gates is not None))
-        from flashswitch.kernels_triton import expert_matmul_bwd
-        enqueue = expert_matmul_bwd.prepare(x3, weight, gates, rt, dy, *want, G_in=G_in, G_out=G_out, config=config)
+    enqueue = None if plan is None else plan.backward.get(want)  # prepared per wanted set of gradients
+    if enqueue is None:
+        dy_meta = torch.empty(dy.shape, dtype=dy.dtype, device="meta")  # the launch reads dy's metadata only
+        enqueue = _skeleton.backward_launch(OP, backend, plan, want, config,
+                                            (_features, x3, weight, rt.S, G_out, gates is not None),
+                                            x3, weight, gates, rt, dy_meta, *want, G_in=G_in, G_out=G_out)
     enqueue(x3, weight, gates, rt, dy, *(g if w else None for g, w in zip((dx, dw, dg), want)))
     return dx, dw, dg
 
@@ -367,14 +358,14 @@ def problem_features(x, expert_idx, num_experts, weight, gates=None, out_groups=
     """The autotune bucket of a problem (keyword arguments as `random_problem` returns them)."""
     T, S = expert_idx.shape
     G_out = S if out_groups is None else int(out_groups)
-    return _features(_x3(x), weight, S, G_out, deterministic)
+    return _features(OP, _x3(x), weight, S, G_out, deterministic)
 
 
 def problem_features_bwd(x, expert_idx, num_experts, weight, gates=None, out_groups=None,
                          deterministic=False) -> dict:
     """The backward pass's autotune bucket of a problem (keyword arguments as `random_problem` returns them)."""
     T, S = expert_idx.shape
-    return _features_bwd(_x3(x), weight, S, S if out_groups is None else int(out_groups), gates is not None)
+    return _features(OP_BWD, _x3(x), weight, S, S if out_groups is None else int(out_groups), gates is not None)
 
 
 def run_kernel(backend: str, config, x, expert_idx, num_experts, weight, gates=None, out_groups=None,
@@ -382,13 +373,14 @@ def run_kernel(backend: str, config, x, expert_idx, num_experts, weight, gates=N
     """Routing + one kernel call with an explicit config (None: tuned/default), for the tuner and the
     benchmarks: y [T, G_out, d_out]. The routing runs without its range check (no host sync), so the
     time measured is what a CUDA-graph-captured step pays."""
-    if backend == "reference":
+    if not backends.TABLE[backend].kernels:
         from flashswitch.reference.expert_matmul import torch_expert_matmul
         return torch_expert_matmul(x, expert_idx, weight, gates=gates, out_groups=out_groups)
     rt = route(expert_idx, num_experts, check=False)
     G_in, G_out = _validate(x, rt, weight, gates, out_groups, deterministic)
     if config is not None:
-        config = call_plan.complete_config(OP, backend, _features(_x3(x), weight, rt.S, G_out, deterministic), config)
+        config = call_plan.complete_config(OP, backend, _features(OP, _x3(x), weight, rt.S, G_out, deterministic),
+                                           config)
     return _run_backend(backend, _x3(x), weight, gates, rt, G_out, deterministic, config)
 
 
@@ -400,7 +392,7 @@ def run_backward(backend: str, config, grad_outputs, x, expert_idx, num_experts,
     default config), so that a timed call is what a training step pays, although the backward reads none
     of its output; the reference backend differentiates the torch reference."""
     dy = grad_outputs[0] if isinstance(grad_outputs, (tuple, list)) else grad_outputs
-    if backend == "reference":
+    if not backends.TABLE[backend].kernels:
         from flashswitch.reference.expert_matmul import torch_expert_matmul
         leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, weight, gates)]
         with torch.enable_grad():
@@ -448,7 +440,7 @@ def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates:
         _PLANS.put(key, plan)
     if not torch.compiler.is_compiling():
         route.validate()  # a hand-built route, once (routes from route() are known good)
-    if plan.backend == "reference" or not C.kernels_serve(backend, x, weight, gates):
+    if not plan.kernels or not C.kernels_serve(backend, x, weight, gates):
         if route.expert_idx is None:
             raise ValueError("the reference backend needs a route built by flashswitch.route (with expert_idx)")
         from flashswitch.reference.expert_matmul import torch_expert_matmul
@@ -487,31 +479,9 @@ class _EagerAutograd(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------- call plans
-@dataclass(frozen=True)
-class _Plan:
-    """What a call decides from its arguments' metadata (call_plan.py)."""
-    backend: str
-    config: Optional[Mapping]  # None: the reference backend, an empty problem, a traced call (the op looks it up)
+@dataclass(frozen=True, kw_only=True)
+class _Plan(_skeleton.Plan):
     G_out: int
-    enqueue: Optional[Callable] = None  # the Triton launch prepared for this signature (kernels_triton)
-    _backward: dict = field(default_factory=dict, compare=False)  # wanted gradients -> the prepared backward
-
-    def backward_enqueue(self, x3, weight, gates, route, dy, want: tuple) -> Callable:
-        """The backward's launches for this signature and wanted (dx, dweight, dgates), prepared by
-        their first use (one config lookup)."""
-        enqueue = self._backward.get(want)
-        if enqueue is None:
-            from flashswitch.kernels_triton import expert_matmul_bwd
-            from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
-            cfg = self._backward.get("config")
-            if cfg is None:
-                cfg = self._backward["config"] = call_plan.config(
-                    OP_BWD, "triton", _features_bwd(x3, weight, route.S, self.G_out, gates is not None))
-            dy_meta = torch.empty(dy.shape, dtype=dy.dtype, device="meta")
-            enqueue = self._backward[want] = expert_matmul_bwd.prepare(
-                x3, weight, gates, route, dy_meta, *want, G_in=x3.shape[1], G_out=self.G_out, config=cfg,
-                fast=fast_launch_wanted(x3.device))
-        return enqueue
 
 
 _PLANS = call_plan.PlanCache()
@@ -526,27 +496,16 @@ def _call_key(x, route, weight, gates, out_groups, deterministic, backend):
 
 
 def _plan(x, route, weight, gates, out_groups, deterministic, backend) -> _Plan:
-    """Every check, the backend and the config: the uncached part of a call."""
+    """Every check, the backend, the config and the forward launch: the uncached part of a call."""
     G_in, G_out = _validate(x, route, weight, gates, out_groups, deterministic)
     x3 = _x3(x)
-    bucket = _features(x3, weight, route.S, G_out, deterministic) if x.is_cuda else None
-    backend = call_plan.resolve_backend(OP, backend, x.device, bucket)
-    config = enqueue = None
-    if backend != "reference" and x.shape[0] * weight.shape[2] and not torch.compiler.is_compiling():
-        config = call_plan.config(OP, backend, bucket or _features(x3, weight, route.S, G_out, deterministic))
-        if backends.TABLE[backend].prepare:
-            enqueue = _prepare_triton(x3, weight, gates, route, G_in, G_out, deterministic, config)
-    return _Plan(backend, config, G_out, enqueue)
-
-
-def _prepare_triton(x3, weight, gates, route, G_in, G_out, deterministic, config) -> Callable:
-    """The Triton launch of this signature, prepared once (y as a meta tensor: only its shape, strides
-    and dtype are read; of the route only its sizes)."""
-    from flashswitch.kernels_triton import expert_matmul as kernels
-    from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
+    features = (_features, x3, weight, route.S, G_out, deterministic)
+    backend, bucket = _skeleton.resolve(OP, backend, x.device, *features)
+    # y as a meta tensor (only its metadata is read), of the route only its sizes
     y = torch.empty((x3.shape[0], G_out, weight.shape[2]), dtype=x3.dtype, device="meta")
-    return kernels.prepare(x3, weight, gates, route, y, G_in=G_in, G_out=G_out, deterministic=deterministic,
-                           config=config, fast=fast_launch_wanted(x3.device))
+    launch = (dict(G_in=G_in, G_out=G_out, deterministic=deterministic), (x3, weight, gates, route), (y,)) \
+        if x.shape[0] * weight.shape[2] else None
+    return _skeleton.kernel_plan(_Plan, OP, backend, bucket, features, launch, G_out=G_out)
 
 
 __all__ = ["Route", "route", "expert_matmul"]
