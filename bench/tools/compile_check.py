@@ -7,6 +7,7 @@ device time is spent. No GPU needed.
     python3 bench/tools/compile_check.py --ops eva_attention [--shape 0 1] [--first 8] [--arch 90]
     python3 bench/tools/compile_check.py --ops eva_cache          # EvaCache's decode-step kernels
     python3 bench/tools/compile_check.py --ops layer_ops          # the decoder layers' fused kernels
+    python3 bench/tools/compile_check.py --ops switchhead_output  # SwitchHead's fused output projection
     python3 bench/tools/compile_check.py --tuned flashswitch/autotune/configs/NVIDIA_H200.json
 
 --shape: indices into autotune/space.py TUNE_SHAPES (default all); --first: the first N configs of
@@ -282,6 +283,38 @@ def check_layer_ops(arch: int, dtype: str) -> list[dict]:
             for index, (name, run) in enumerate(cases.items())]
 
 
+def check_switchhead_output(arch: int, dtype: str) -> list[dict]:
+    """Compile the fused output projection's kernels (kernels_triton/switchhead_output.py) with every config
+    of their lists at SwitchHead-262M's and 47M's output shapes (a in `dtype`, fp32 master weights for 16-bit
+    a, as the layer passes them): the forward, and the backward's da/dw and dweight kernels (with a split of
+    the token sum, as on the GPU)."""
+    from flashswitch import registry
+    from flashswitch.kernels_triton import switchhead_output as ops
+
+    dt = registry.DTYPES[dtype]
+    shapes = {"262M": dict(H=4, E=4, k=2, D=112, d=1024), "47M": dict(H=2, E=5, k=3, D=76, d=412)}
+    rows = []
+    for label, s in shapes.items():
+        T, H, E, D, d = 512, s["H"], s["E"], s["D"], s["d"]
+        a = torch.zeros(T, H, D, dtype=dt)
+        weight = torch.zeros(H * E, D, d)
+        ids = torch.zeros(T, H * s["k"], dtype=torch.int64)
+        w = torch.zeros(T, H * E)
+        dy = torch.zeros(T, d, dtype=dt)
+        runs = [(f"forward {cfg}", lambda cfg=cfg: ops.forward(a, w, weight, config=cfg))
+                for cfg in ops.FORWARD_CONFIGS]
+        runs += [(f"da_dw {cfg}", lambda cfg=cfg: ops.backward(dy, a, ids, w, weight, torch.float32, True, True, False,
+                                                                configs={"da_dw": cfg}))
+                 for cfg in ops.DA_DW_CONFIGS]
+        runs += [(f"dweight {cfg}", lambda cfg=cfg: ops.backward(dy, a, ids, w, weight, torch.float32, False, False,
+                                                                  True, configs={"dweight": cfg}, splits=2))
+                 for cfg in ops.DWEIGHT_CONFIGS]
+        print(f"switchhead_output {label} {dtype}: {len(runs)} configs", flush=True)
+        rows += [compile_row({"op": "switchhead_output", "shape": label, "config": {"case": name}}, [ops], run, arch,
+                             name) for name, run in runs]
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", nargs="+", default=["eva_attention"])
@@ -309,6 +342,9 @@ def main(argv=None) -> int:
             continue
         if op == "layer_ops":
             rows += check_layer_ops(args.arch, args.dtype)
+            continue
+        if op == "switchhead_output":
+            rows += check_switchhead_output(args.arch, args.dtype)
             continue
         shapes = args.shape if args.shape is not None else range(len(space.TUNE_SHAPES[op]))
         rows += check_op(op, shapes, args.first, args.arch, args.dtype, args.tuned)

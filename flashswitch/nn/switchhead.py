@@ -6,14 +6,18 @@ picking k of them per head with a sigmoid router (one router for V on the source
 the destination side; in self-attention both read the layer input x):
     V_h = sum_{e in topk(s_V,h)} s_V,h[e] x W_V[h, e],   O = sum_h sum_{e in topk(s_O,h)} s_O,h[e] A_h W_O[h, e]
 with A_h the causal attention output of head h. Both projections run as one op-3 call each
-(`flashswitch.route` + `flashswitch.expert_matmul`, gates fused, global expert id = h * E + e).
+(`flashswitch.route` + `flashswitch.expert_matmul`, gates fused, global expert id = h * E + e), except the
+output projection on the Triton kernels with E / k <= FUSED_OUTPUT_MAX_MAC_RATIO: one dense GEMM over all
+experts with zero gates where a token picked none (kernels_triton/switchhead_output.py).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad
 
+from flashswitch._common import BACKEND_ENV, FLOAT_DTYPES, _under_functorch, backend_available, env_get
 from flashswitch.nn._routing import (check_positive, check_probability, compute_dtype, init_router_, matmul_weight,
                                      sigmoid_top_k)
 from flashswitch.ops.chunk_summaries import chunk_summaries
@@ -22,6 +26,11 @@ from flashswitch.ops.expert_matmul import expert_matmul, route
 
 ATTENTIONS = ("sdpa", "eva")
 _SDPA_HEAD_MULTIPLE = 8  # SDPA's flash kernels take head dims that are multiples of 8
+# The fused output projection (kernels_triton/switchhead_output.py) multiplies every expert of a head,
+# E / k times the routed multiply-adds, but as one dense GEMM at tensor-core rate with no gather and no
+# slot sum, a rate that more than makes up for twice the work at SwitchHead's output shapes; past E / k = 2
+# op 3's routed kernel runs.
+FUSED_OUTPUT_MAX_MAC_RATIO = 2
 
 
 # ---------------------------------------------------------------- rotary embeddings
@@ -137,6 +146,19 @@ def attention_macs_per_token(num_heads: int, head_dim: int, seq_len: int, *, att
 
 
 # ---------------------------------------------------------------- the layer
+@torch.compiler.assume_constant_result  # an environment read: torch.compile takes the answer as a constant
+def _fused_output_backend(backend: str, device: str) -> bool:
+    """Whether `backend` on `device` runs the Triton kernels, as the fused output projection needs:
+    "triton" where it can run, "auto" on CUDA unless FLASHSWITCH_BACKEND names another backend."""
+    device = torch.device(device)
+    if backend == "auto":
+        forced = (env_get(BACKEND_ENV) or "auto").strip() or "auto"
+        if forced not in ("auto", "triton") or (forced == "auto" and device.type != "cuda"):
+            return False
+        backend = "triton"
+    return backend == "triton" and backend_available("triton", device)
+
+
 class SwitchHeadAttention(nn.Module):
     """Causal self-attention with mixture-of-experts value and output projections (SwitchHead).
 
@@ -243,16 +265,36 @@ class SwitchHeadAttention(nn.Module):
         dt = x2.dtype
         ids, gates = self.select(x2)
         v_route = route(ids[0], H * E, check=False)
-        o_route = route(ids[1], H * E, check=False)
         v_gates, o_gates = gates.unbind(0)
         v = expert_matmul(x2, v_route, matmul_weight(self.v_experts, dt), gates=v_gates, out_groups=H,
                           backend=self.backend)
+        o_weight = matmul_weight(self.o_experts, dt)
+        if self.fused_output_wanted(x2, o_weight):
+            from flashswitch.kernels_triton.switchhead_output import switchhead_output
+
+            def output(a: torch.Tensor) -> torch.Tensor:
+                y = switchhead_output(a, ids[1], o_gates, o_weight, E, check=False, backend="triton")
+                return y.view(a.shape[0], 1, -1)
+            return v, output
+        o_route = route(ids[1], H * E, check=False)
 
         def output(a: torch.Tensor) -> torch.Tensor:
-            return expert_matmul(a, o_route, matmul_weight(self.o_experts, dt), gates=o_gates, out_groups=1,
-                                 backend=self.backend)
+            return expert_matmul(a, o_route, o_weight, gates=o_gates, out_groups=1, backend=self.backend)
 
         return v, output
+
+    def fused_output_wanted(self, x2: torch.Tensor, o_weight: torch.Tensor) -> bool:
+        """Whether the output projection runs the fused kernel (kernels_triton/switchhead_output.py): the
+        backend is "triton", or "auto" on CUDA (FLASHSWITCH_BACKEND unset or "triton"), E / k is at most
+        FUSED_OUTPUT_MAX_MAC_RATIO, the kernels take the dtypes, and no torch.func transform or
+        forward-mode AD is active (their batching and tangents only op 3's paths carry)."""
+        if self.num_experts > FUSED_OUTPUT_MAX_MAC_RATIO * self.experts_per_head:
+            return False
+        if x2.dtype not in FLOAT_DTYPES or not (o_weight.dtype == x2.dtype or o_weight.dtype == torch.float32):
+            return False
+        if not torch.compiler.is_compiling() and (_under_functorch() or forward_ad._current_level >= 0):
+            return False
+        return _fused_output_backend(self.backend, str(x2.device))
 
     def macs_per_token(self, seq_len: int) -> float:
         """Multiply-accumulates per token: routers, dense q/k, k experts of V and O per head, and causal

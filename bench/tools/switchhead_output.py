@@ -1,0 +1,205 @@
+"""SwitchHead's output projection three ways, forward and forward + backward, at the papers' shapes:
+the fused dense-over-experts kernel (kernels_triton/switchhead_output.py), op 3 as the layer calls it
+otherwise (route + expert_matmul, backend "auto": the tuned kernel), and a dense bf16 matmul with the
+routed multiply-adds (x [T, H·k·D] @ W [H·k·D, d], the roof). Every rate is counted on the routed
+MACs (2·T·H·k·D·d flops forward, 3x that forward + backward), so the columns compare times directly.
+
+    python bench/tools/switchhead_output.py [--shapes 262M 47M] [--out DIR]
+    python bench/tools/switchhead_output.py --smoke --out DIR      # tiny shapes; the CPU under the interpreter
+
+Shapes: T = 16384 tokens (the 262M model's batch; the 47M one at the same T), a in bf16, the output experts
+as fp32 master weights (what the layer passes under autocast). Rows: "fused" (fp32 weights cast per tile in
+the kernel: the layer's path), "fused, W cast once" (the weights cast to bf16 per call before the kernels,
+autograd through the cast: a variant to weigh, its weight gradient is rounded to bf16), "op 3", "dense
+(routed MACs)". Times: `triton.testing.do_bench` medians (L2 flushed; bench/common.py bench_ms) after a
+warm-up call that runs the kernels' autotuning. Also recorded: the fused outputs' relative error against
+op 3's and the configs the autotuner picked. Writes switchhead_output.{json,md} under
+bench/results/<device>/ (or --out; without a GPU only with --out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: `import common`
+from common import bench_ms, device_name, env_info, provenance, provenance_line, results_dir  # noqa: E402
+from flashswitch.kernels_triton import switchhead_output as K  # noqa: E402
+from flashswitch.nn._routing import matmul_weight  # noqa: E402
+from flashswitch.nn.models import paper_config  # noqa: E402
+from flashswitch.ops.expert_matmul import expert_matmul, route  # noqa: E402
+from flashswitch.testing import rel_error  # noqa: E402
+
+TOKENS = 16384
+
+
+def paper_shape(size: str, T: int = TOKENS) -> dict:
+    cfg = paper_config(size, "switchhead")
+    return dict(T=T, H=cfg.n_heads, E=cfg.att_experts, k=cfg.att_k, D=cfg.head_dim, d=cfg.d_model)
+
+
+SMOKE_SHAPES = {"tiny": dict(T=64, H=2, E=4, k=2, D=12, d=32), "tiny odd": dict(T=50, H=2, E=5, k=3, D=20, d=24)}
+IMPLS = ("fused", "fused, W cast once", "op 3", "dense (routed MACs)")
+
+
+def make_inputs(s: dict, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+    """The layer's output-projection inputs: a [T, H, D], routing of k of E experts per head (global ids
+    h·E + e in slot h·k + j), sigmoid gates, fp32 master weights [H·E, D, d] (weights in a's dtype when a is
+    fp32), the cotangent dy; and the dense roof's operands x [T, H·k·D], w [H·k·D, d] in a's dtype."""
+    T, H, E, k, D, d = (s[n] for n in ("T", "H", "E", "k", "D", "d"))
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(T, H, E, generator=g, device=device)
+    ids = (scores.topk(k, -1).indices + torch.arange(H, device=device)[:, None] * E).reshape(T, H * k)
+    return dict(
+        a=torch.randn(T, H, D, generator=g, device=device).to(dtype), ids=ids,
+        gates=torch.sigmoid(torch.randn(T, H * k, generator=g, device=device)),
+        weight=torch.randn(H * E, D, d, generator=g, device=device) * (H * D) ** -0.5,
+        dy=torch.randn(T, d, generator=g, device=device).to(dtype),
+        x=torch.randn(T, H * k * D, generator=g, device=device).to(dtype),
+        w=(torch.randn(H * k * D, d, generator=g, device=device) * (H * k * D) ** -0.5).to(dtype))
+
+
+def callables(p: dict, s: dict) -> dict:
+    """{impl: (forward, forward + backward)}, each a no-argument call as a training step makes it."""
+    E, HE = s["E"], s["H"] * s["E"]
+    dtype = p["a"].dtype
+    leaves = [p["a"].detach().requires_grad_(), p["gates"].detach().requires_grad_(),
+              p["weight"].detach().requires_grad_()]
+
+    def fused(a, gates, weight):
+        return K.switchhead_output(a, p["ids"], gates, weight, E, check=False, backend="triton")
+
+    def fused_cast(a, gates, weight):
+        return fused(a, gates, weight.to(dtype))
+
+    def op3(a, gates, weight):
+        rt = route(p["ids"], HE, check=False)  # the layer routes in every step
+        return expert_matmul(a, rt, matmul_weight(weight, dtype), gates=gates, out_groups=1)[:, 0]
+
+    def step(fn):
+        def train():
+            return torch.autograd.grad(fn(*leaves), leaves, p["dy"])
+        return (lambda: fn(p["a"], p["gates"], p["weight"])), train
+
+    wx = [p["x"].detach().requires_grad_(), p["w"].detach().requires_grad_()]
+    dense = (lambda: p["x"] @ p["w"], lambda: torch.autograd.grad(wx[0] @ wx[1], wx, p["dy"]))
+    return {"fused": step(fused), "fused, W cast once": step(fused_cast), "op 3": step(op3),
+            "dense (routed MACs)": dense}
+
+
+def time_ms(fn, gpu: bool) -> float:
+    if gpu:
+        return bench_ms(fn, warmup=25, rep=100)
+    times = []
+    for _ in range(3):  # the interpreter: a few wall-clock calls, numbers that mean nothing
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def best_configs() -> dict:
+    """The configs the autotuner picked last for the fused kernels."""
+    out = {}
+    for name, tuned in (("forward", K._forward_tuned), ("da_dw", K._da_dw_tuned), ("dweight", K._dweight_tuned)):
+        cfg = getattr(tuned, "best_config", None)
+        if cfg is not None:
+            out[name] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return out
+
+
+def measure(label: str, s: dict, dtype: torch.dtype, device: str, gpu: bool) -> list[dict]:
+    p = make_inputs(s, dtype, device)
+    fns = callables(p, s)
+    routed_flops = 2 * s["T"] * s["H"] * s["k"] * s["D"] * s["d"]
+    # fused vs op 3 on the same inputs: output and gradients
+    got = {impl: (fns[impl][0](), *fns[impl][1]()) for impl in ("fused", "op 3")}
+    errors = {name: rel_error(f, o) for name, f, o in zip(("y", "da", "dgates", "dweight"), got["fused"], got["op 3"])}
+    del got
+    rows = []
+    for pass_, flops in (("fwd", routed_flops), ("fwd+bwd", 3 * routed_flops)):
+        for impl in IMPLS:
+            fn = fns[impl][0 if pass_ == "fwd" else 1]
+            fn()  # compiles and autotunes
+            if gpu:
+                torch.cuda.synchronize()
+            ms = time_ms(fn, gpu)
+            rows.append({"shape": label, **s, "pass": pass_, "impl": impl, "ms": ms,
+                         "routed_TFLOPs": flops / (ms * 1e-3) / 1e12})
+        by = {r["impl"]: r for r in rows if r["pass"] == pass_}
+        for r in by.values():
+            r["rate_vs_dense"] = by["dense (routed MACs)"]["ms"] / r["ms"]
+            r["speedup_vs_op3"] = by["op 3"]["ms"] / r["ms"]
+        by["fused"]["configs"] = best_configs()
+        by["fused"]["rel_error_vs_op3"] = errors
+        print(f"{label} {pass_}: " + ", ".join(f"{i} {by[i]['ms']:.3f} ms" for i in IMPLS), flush=True)
+    return rows
+
+
+def markdown(data: dict) -> str:
+    lines = [f"# SwitchHead output projection: fused kernel vs op 3 vs dense ({data['device']}, {data['dtype']})", "",
+             f"Run: {provenance_line(data)}. `{data['command']}`"
+             + (" (smoke run: tiny shapes, interpreter wall clock, numbers mean nothing)" if data["smoke"] else ""), "",
+             "Median `do_bench` time; TFLOP/s counted on the routed MACs (2·T·H·k·D·d forward, 3x that forward + "
+             "backward) for every row; `vs dense` = the time of the dense matmul of the routed MACs (in a's "
+             "dtype) / the row's: the share of that rate the row reaches, `vs op 3` = op 3's time / the row's. "
+             "The fused kernel multiplies all E experts per head: E / k times the routed MACs.", "",
+             "| shape | T, H, E, k, D, d | pass | impl | ms | routed TFLOP/s | vs dense | vs op 3 |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        dims = ", ".join(str(r[n]) for n in ("T", "H", "E", "k", "D", "d"))
+        lines.append(f"| {r['shape']} | {dims} | {r['pass']} | {r['impl']} | {r['ms']:.3f} | "
+                     f"{r['routed_TFLOPs']:.1f} | {r['rate_vs_dense']:.2f} | {r['speedup_vs_op3']:.2f} |")
+    lines += ["", "Fused against op 3 on the same inputs (relative L2 error) and the configs the autotuner picked:", ""]
+    for r in data["rows"]:
+        if r["impl"] == "fused" and r["pass"] == "fwd+bwd":
+            errs = ", ".join(f"{k} {v:.2e}" for k, v in r["rel_error_vs_op3"].items())
+            lines.append(f"- {r['shape']}: {errs}; configs {json.dumps(r.get('configs', {}))}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["262M", "47M"], choices=("262M", "47M"))
+    ap.add_argument("--tokens", type=int, default=TOKENS)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU: Triton interpreter, fp32)")
+    ap.add_argument("--out", type=Path, help="folder (default bench/results/<device>/)")
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    if not gpu and not args.smoke:
+        print("switchhead_output.py times CUDA kernels and no GPU is visible; --smoke runs tiny shapes on the CPU",
+              file=sys.stderr)
+        return 2
+    device = "cuda" if gpu else "cpu"
+    dtype = torch.bfloat16 if gpu else torch.float32  # the interpreter's bf16 dot is not right
+    shapes = SMOKE_SHAPES if args.smoke else {s: paper_shape(s, args.tokens) for s in args.shapes}
+    rows = []
+    for label, s in shapes.items():
+        rows += measure(label, s, dtype, device, gpu)
+    data = {"name": "switchhead_output", **provenance(), **env_info(),
+            "command": shlex.join(["python", "bench/tools/switchhead_output.py",
+                                   *(sys.argv[1:] if argv is None else argv)]),
+            "smoke": args.smoke, "dtype": str(dtype).replace("torch.", ""), "weight_dtype": "float32", "rows": rows}
+    if args.out is None and not gpu:
+        print("no GPU: nothing written (--out DIR keeps the tables)")
+        return 0
+    folder = args.out or results_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "switchhead_output.json").write_text(json.dumps(data, indent=1) + "\n")
+    (folder / "switchhead_output.md").write_text(markdown(data))
+    print(f"wrote {folder / 'switchhead_output.json'} and switchhead_output.md ({device_name()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

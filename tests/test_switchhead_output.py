@@ -1,0 +1,378 @@
+"""SwitchHead's fused output projection (kernels_triton/switchhead_output.py) against an fp64 oracle: the
+gated routed sum y[t] = Σ_s gates[t, s] · a[t, ids[t, s] // E] @ weight[ids[t, s]], written slot by slot,
+and its autograd gradients (da, dgates, dweight). Each output passes the SPEC rule (testing.assert_close)
+with the same routed sum in the kernels' precision as baseline and the problem's conditioning
+(testing.rounding_sensitivity) as a floor of the bound. On the CPU the kernels run under the Triton
+interpreter in fp32 (tiny shapes); bf16 / fp16 (with fp32 master weights, as the layer passes them) on
+the GPU. Outputs start as NaN (FLASHSWITCH_POISON, set by conftest), so a tile left unwritten fails."""
+import pytest
+import torch
+
+from conftest import DEVICE
+from flashswitch.kernels_triton import switchhead_output as K
+from flashswitch.nn import SwitchHeadAttention
+from flashswitch.nn import switchhead as SH
+from flashswitch.ops.expert_matmul import expert_matmul, route
+from flashswitch.testing import assert_close, rounding_sensitivity
+
+F64 = torch.float64
+CONDITIONING_FACTOR = 4  # as tests/test_switchhead.py: a few roundings per term, each at most half an eps
+GRADS = ("a", "gates", "weight")
+
+
+def make_problem(T, H, E, k, D, d, dtype=torch.float32, *, master=False, seed=0, device=DEVICE):
+    """SwitchHead's output routing: per head k distinct experts of E (slot h·k + j, global id h·E + e),
+    sigmoid-like gates in (0, 1); weight fp32 master weights with `master`, else in a's dtype."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(T, H, E, generator=g)
+    ids = (scores.topk(k, -1).indices + torch.arange(H)[:, None] * E).reshape(T, H * k)
+    gates = torch.rand(T, H * k, generator=g)
+    a = torch.randn(T, H, D, generator=g)
+    weight = torch.randn(H * E, D, d, generator=g) * max(H * D, 1) ** -0.5
+    return dict(a=a.to(device, dtype), ids=ids.to(device), gates=gates.to(device),
+                weight=weight.to(device, torch.float32 if master else dtype), E=E)
+
+
+def routed_sum(a, ids, gates, weight, E, dtype):
+    """The gated routed sum slot by slot, in `dtype` (fp64: the oracle)."""
+    a, gates, weight = a.to(dtype), gates.to(dtype), weight.to(dtype)
+    rows = a[torch.arange(a.shape[0], device=a.device)[:, None], ids // E]  # [T, S, D]
+    return torch.einsum("tsj,tsjn,ts->tn", rows, weight[ids], gates)
+
+
+def outputs(inputs, ids, E, dtype):
+    """y and the gradients of a, gates and weight for the cotangent inputs["dy"], the routed sum in dtype."""
+    leaves = {n: inputs[n].detach().to(dtype).requires_grad_() for n in GRADS}
+    with torch.enable_grad():
+        y = routed_sum(leaves["a"], ids, leaves["gates"], leaves["weight"], E, dtype)
+        grads = torch.autograd.grad(y, [leaves[n] for n in GRADS], inputs["dy"].to(dtype))
+    return {"y": y.detach(), **{f"d{n}": g for n, g in zip(GRADS, grads)}}
+
+
+def check(p, got: dict, dtype):
+    """Every output of `got` (y, da, dgates, dweight) within the SPEC rule of the fp64 oracle."""
+    inputs = {n: p[n] for n in GRADS} | {"dy": p["dy"]}
+    ref = outputs(inputs, p["ids"], p["E"], F64)
+    base = outputs(inputs, p["ids"], p["E"], torch.float32 if dtype == torch.float32 else dtype)
+    sens = rounding_sensitivity(lambda i: outputs(i, p["ids"], p["E"], F64), inputs, dtype)
+    for name, out in got.items():
+        assert out.shape == ref[name].shape, name
+        assert_close(name, out, ref[name], dtype, baseline=base[name], tol=CONDITIONING_FACTOR * sens[name])
+
+
+def run_public(p, *, backend="triton"):
+    """y and the gradients through switchhead_output (autograd), with the cotangent p["dy"]."""
+    leaves = {n: p[n].detach().clone().requires_grad_() for n in GRADS}
+    y = K.switchhead_output(leaves["a"], p["ids"], leaves["gates"], leaves["weight"], p["E"], backend=backend)
+    assert y.dtype == p["a"].dtype and y.shape == (p["a"].shape[0], p["weight"].shape[2])
+    y.backward(p["dy"])
+    assert leaves["weight"].grad.dtype == p["weight"].dtype and leaves["gates"].grad.dtype == p["gates"].dtype
+    return {"y": y.detach(), **{f"d{n}": leaves[n].grad for n in GRADS}}
+
+
+def with_dy(p, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    p["dy"] = torch.randn(p["a"].shape[0], p["weight"].shape[2], generator=g).to(p["a"].device, p["a"].dtype)
+    return p
+
+
+# (T, H, E, k, D, d): T not a multiple of any tile, head dims that are no power of two (12, 28 = 4·7
+# like 112 = 16·7), one and three heads, E in {2, 4, 5}, k in {1, 2}
+CASES = [(37, 3, 5, 2, 12, 20), (70, 1, 2, 1, 12, 24), (130, 3, 4, 2, 28, 72), (9, 2, 4, 2, 16, 16),
+         (23, 3, 2, 1, 20, 36), (5, 1, 5, 2, 12, 8)]
+SMALL = dict(forward=dict(BT=16, BN=16, BK=16, GROUP_T=2, num_warps=4, num_stages=2),
+             da_dw=dict(BT=16, BN=16, num_warps=4, num_stages=2),
+             dweight=dict(BM=16, BN=16, BT=16, num_warps=4, num_stages=2))
+
+
+@pytest.mark.parametrize("T,H,E,k,D,d", CASES)
+def test_matches_oracle_fp32(T, H, E, k, D, d):
+    """Forward and backward through the public call (autotuned configs; the interpreter takes the first)."""
+    p = with_dy(make_problem(T, H, E, k, D, d, seed=T + D))
+    check(p, run_public(p), torch.float32)
+
+
+@pytest.mark.parametrize("T,H,E,k,D,d", [CASES[0], CASES[1]])
+def test_small_tiles_and_split_token_sum(T, H, E, k, D, d):
+    """16-wide tiles: many token, column and K tiles (a K block spanning up to three experts of D = 12 and
+    two heads), and dweight's token sum split in three ranges added by _sum_splits."""
+    p = with_dy(make_problem(T, H, E, k, D, d, seed=3))
+    w = K.gate_table(p["ids"], p["gates"], H * E)
+    y = K.forward(p["a"], w, p["weight"], config=SMALL["forward"])
+    da, dg, dw = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], p["gates"].dtype, True, True, True,
+                            configs=SMALL, splits=3)
+    check(p, {"y": y, "da": da, "dgates": dg, "dweight": dw}, torch.float32)
+
+
+def test_every_listed_config_agrees():
+    """Each config of the three autotune lists (the interpreter only runs the first through autotune). On
+    the GPU a config whose fp32 tiles exceed the shared memory is skipped, as the autotuner skips it."""
+    from triton.runtime.errors import OutOfResources
+    p = with_dy(make_problem(37, 3, 5, 2, 12, 20, seed=5))
+    w = K.gate_table(p["ids"], p["gates"], 15)
+    ref = outputs(p, p["ids"], 5, F64)
+    ran = 0
+
+    def run(fn):
+        nonlocal ran
+        try:
+            out = fn()
+        except OutOfResources:
+            assert DEVICE == "cuda"
+            return None
+        ran += 1
+        return out
+    for cfg in K.FORWARD_CONFIGS:
+        if (y := run(lambda: K.forward(p["a"], w, p["weight"], config=cfg))) is not None:
+            assert_close(f"y {cfg}", y, ref["y"], torch.float32)
+    for cfg in K.DA_DW_CONFIGS:
+        if (out := run(lambda: K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, True, True,
+                                          False, configs={"da_dw": cfg}))) is not None:
+            assert_close(f"da {cfg}", out[0], ref["da"], torch.float32)
+            assert_close(f"dgates {cfg}", out[1], ref["dgates"], torch.float32)
+    for cfg in K.DWEIGHT_CONFIGS:
+        if (out := run(lambda: K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False,
+                                          True, configs={"dweight": cfg}, splits=2))) is not None:
+            assert_close(f"dweight {cfg}", out[2], ref["dweight"], torch.float32)
+    listed = len(K.FORWARD_CONFIGS) + len(K.DA_DW_CONFIGS) + len(K.DWEIGHT_CONFIGS)
+    assert ran >= listed - (3 if DEVICE == "cuda" else 0)
+
+
+def test_wanted_gradients_only_and_deterministic():
+    """Each gradient alone equals its value among all three; a repeated backward is bitwise equal."""
+    p = with_dy(make_problem(40, 2, 4, 2, 12, 24, seed=7))
+    w = K.gate_table(p["ids"], p["gates"], 8)
+    full = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, True, True, True)
+    again = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, True, True, True)
+    for i in range(3):
+        want = [False] * 3
+        want[i] = True
+        alone = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, *want)
+        assert all(g is None for j, g in enumerate(alone) if j != i)
+        assert torch.equal(alone[i], full[i]) and torch.equal(again[i], full[i])
+
+
+def test_out_of_range_ids_are_dropped_and_duplicates_add():
+    """check=False: an id outside [0, H·E) contributes nothing (and gets a zero gate gradient); one expert
+    picked twice by a token adds up, as in op 3."""
+    p = with_dy(make_problem(20, 2, 4, 2, 12, 16, seed=9))
+    ids = p["ids"].clone()
+    ids[3, 1], ids[7, 2], ids[11, 0] = -1, 8, 99
+    ids[5, 3] = ids[5, 2]  # a duplicate
+    keep = (ids >= 0) & (ids < 8)
+    q = p | {"ids": ids.clamp(0, 7), "gates": torch.where(keep, p["gates"], 0.0)}
+    leaves = {n: p[n].detach().clone().requires_grad_() for n in GRADS}
+    y = K.switchhead_output(leaves["a"], ids, leaves["gates"], leaves["weight"], 4, check=False, backend="triton")
+    y.backward(p["dy"])
+    ref = outputs(q, q["ids"], 4, F64)
+    assert_close("y", y, ref["y"], torch.float32)
+    assert_close("da", leaves["a"].grad, ref["da"], torch.float32)
+    assert_close("dweight", leaves["weight"].grad, ref["dweight"], torch.float32)
+    dg = leaves["gates"].grad
+    assert torch.all(dg[~keep] == 0)
+    assert_close("dgates", dg[keep], ref["dgates"][keep], torch.float32)
+
+
+def test_reference_matches_oracle():
+    """torch_switchhead_output (backend "reference", and the CPU's "auto") is the same function."""
+    p = with_dy(make_problem(37, 3, 5, 2, 12, 20, seed=11))
+    check(p, run_public(p, backend="reference"), torch.float32)
+    if DEVICE == "cpu":
+        assert torch.equal(K.switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], 5),
+                           K.torch_switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], 5))
+
+
+@pytest.mark.parametrize("T,D,d", [(0, 12, 16), (6, 0, 16), (6, 12, 0)])
+def test_empty_sizes(T, D, d):
+    p = with_dy(make_problem(T, 2, 3, 2, D, d, seed=2))
+    got = run_public(p)
+    assert torch.all(got["y"] == 0) and torch.all(got["dweight"] == 0) and torch.all(got["dgates"] == 0)
+
+
+def test_outputs_are_poisoned_before_launch(monkeypatch):
+    """With the launches stubbed out every output is NaN: an element a kernel leaves unwritten cannot
+    pass the oracle comparisons above."""
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+    for name in ("_forward_tuned", "_da_dw_tuned", "_dweight_tuned", "_gate_table_kernel", "_gate_grad_kernel",
+                 "_sum_splits"):
+        monkeypatch.setattr(K, name, Stub())
+    p = with_dy(make_problem(10, 2, 4, 2, 12, 16))
+    w = K.gate_table(p["ids"], p["gates"], 8)
+    outs = [w, K.forward(p["a"], w, p["weight"]),
+            *K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, True, True, True, splits=2)]
+    assert all(t.isnan().all() for t in outs)
+
+
+def test_custom_op_and_compile():
+    """The custom op (what torch.compile and tensor subclasses reach) passes torch.library.opcheck, and a
+    compiled call (fullgraph) gives the eager call's outputs and gradients."""
+    p = with_dy(make_problem(12, 2, 4, 2, 12, 16, seed=13))
+    args = (p["a"].requires_grad_(), p["ids"], p["gates"].requires_grad_(), p["weight"].requires_grad_())
+    torch.library.opcheck(K._fused_op, args, test_utils=("test_schema", "test_autograd_registration",
+                                                         "test_faketensor"))
+    torch._dynamo.reset()
+
+    def f(a, ids, gates, weight):
+        return K.switchhead_output(a, ids, gates, weight, 4, check=False, backend="triton")
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    y, yc = f(*args), compiled(*args)
+    torch.testing.assert_close(yc, y, rtol=0, atol=0)
+    g = torch.autograd.grad(y, [args[0], args[2], args[3]], p["dy"])
+    gc = torch.autograd.grad(yc, [args[0], args[2], args[3]], p["dy"])
+    for x, z in zip(gc, g):
+        torch.testing.assert_close(x, z, rtol=0, atol=0)
+
+
+def _bad(**change):
+    p = make_problem(6, 2, 3, 2, 8, 8)
+    kw = dict(a=p["a"], ids=p["ids"], gates=p["gates"], weight=p["weight"], num_experts=3) | change
+    return lambda: K.switchhead_output(kw.pop("a"), kw.pop("ids"), kw.pop("gates"), kw.pop("weight"),
+                                       kw.pop("num_experts"), **kw)
+
+
+@pytest.mark.parametrize("make, name", [
+    (_bad(a=torch.randn(6, 16)), "a"),
+    (_bad(a=torch.randn(6, 2, 8, dtype=F64)), "a"),
+    (_bad(a="a"), "a"),
+    (_bad(weight=torch.randn(5, 8, 8)), "weight"),
+    (_bad(weight=torch.randn(6, 7, 8)), "weight"),
+    (_bad(weight=torch.randn(6, 8, 8, dtype=torch.float16)), "weight"),
+    (_bad(ids=torch.zeros(6, 4)), "ids"),
+    (_bad(ids=torch.zeros(5, 4, dtype=torch.int64)), "ids"),
+    (_bad(ids=torch.full((6, 4), 6)), "ids"),
+    (_bad(gates=torch.rand(6, 3)), "gates"),
+    (_bad(gates=torch.zeros(6, 4, dtype=torch.int64)), "gates"),
+    (_bad(num_experts=0), "num_experts"),
+    (_bad(num_experts=2.0), "num_experts"),
+    (_bad(check=1), "check"),
+    (_bad(backend="cuda"), "backend"),
+])
+def test_bad_inputs_name_the_argument(make, name):
+    with pytest.raises((ValueError, TypeError), match=name):
+        make()
+
+
+# ---------------------------------------------------------------- the layer
+def test_layer_uses_fused_output_where_it_pays(monkeypatch):
+    """SwitchHeadAttention's output projection runs the fused kernel on the Triton backend when E / k <= 2
+    (op 3 otherwise, and on the reference backend), with the layer's numbers unchanged: output and every
+    gradient equal op 3's path within fp32 rounding."""
+    def layer(E, k, backend="triton"):
+        torch.manual_seed(0)
+        return SwitchHeadAttention(16, 2, 12, E, k, backend=backend, device=DEVICE).eval()
+    x2 = torch.randn(3, 16, device=DEVICE)
+    w = torch.randn(8, 12, 16, device=DEVICE)
+    assert layer(4, 2).fused_output_wanted(x2, w) and layer(3, 2).fused_output_wanted(x2, w)
+    assert not layer(5, 2).fused_output_wanted(x2, w) and not layer(4, 1).fused_output_wanted(x2, w)
+    assert not layer(4, 2, "reference").fused_output_wanted(x2, w)
+    if DEVICE == "cpu":
+        assert not layer(4, 2, "auto").fused_output_wanted(x2, w)  # auto on the CPU: the reference
+    monkeypatch.setenv("FLASHSWITCH_BACKEND", "reference")
+    assert not layer(4, 2, "auto").fused_output_wanted(x2, w)
+    monkeypatch.delenv("FLASHSWITCH_BACKEND")
+
+    m = layer(4, 2)
+    x = torch.randn(2, 9, 16, device=DEVICE)
+    seen = []
+    real = K.switchhead_output
+    monkeypatch.setattr(K, "switchhead_output", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+
+    def run():
+        xx = x.clone().requires_grad_()
+        y = m(xx)
+        grads = torch.autograd.grad(y.square().sum(), [xx, *m.parameters()])
+        return y, grads
+    y, grads = run()
+    assert seen
+    monkeypatch.setattr(SH, "FUSED_OUTPUT_MAX_MAC_RATIO", 0)  # op 3's path
+    seen.clear()
+    y3, grads3 = run()
+    assert not seen
+    torch.testing.assert_close(y, y3, rtol=1e-5, atol=1e-6)
+    for g, g3 in zip(grads, grads3):
+        torch.testing.assert_close(g, g3, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_equals_op3_on_the_layers_routing():
+    """With the layer's slot layout the fused call is expert_matmul(..., out_groups=1)."""
+    p = make_problem(33, 3, 4, 2, 12, 20, seed=17)
+    fused = K.switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], 4, backend="triton")
+    op3 = expert_matmul(p["a"], route(p["ids"], 12), p["weight"], gates=p["gates"], out_groups=1, backend="triton")
+    torch.testing.assert_close(fused, op3[:, 0], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- GPU: half precision, CUDA graphs
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("master", [True, False])
+@pytest.mark.parametrize("T,H,E,k,D,d", [(1000, 4, 4, 2, 112, 256), (777, 2, 5, 3, 76, 412), (300, 3, 2, 1, 12, 40),
+                                         (4100, 1, 4, 2, 64, 128)])
+def test_half_precision_on_gpu(dtype, master, T, H, E, k, D, d):
+    """bf16 / fp16 a with fp32 master weights (the layer under autocast) or weights in a's dtype."""
+    p = with_dy(make_problem(T, H, E, k, D, d, dtype, master=master, seed=T))
+    check(p, run_public(p), dtype)
+
+
+@pytest.mark.gpu
+def test_split_token_sum_on_gpu():
+    """dweight's token sum split over several ranges (the GPU default at long T) equals one range."""
+    p = with_dy(make_problem(5000, 4, 4, 2, 112, 256, torch.bfloat16, master=True, seed=3))
+    w = K.gate_table(p["ids"], p["gates"], 16)
+    one = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False, True, splits=1)[2]
+    many = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False, True, splits=4)[2]
+    torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture():
+    """Forward and backward captured in one CUDA graph (after a warm-up that autotunes) and replayed on new
+    inputs equal eager: no host sync."""
+    p = with_dy(make_problem(512, 4, 4, 2, 112, 256, torch.bfloat16, master=True))
+    a = p["a"].clone().requires_grad_()
+    gates = p["gates"].clone().requires_grad_()
+    weight = p["weight"].clone().requires_grad_()
+
+    def step():
+        y = K.switchhead_output(a, p["ids"], gates, weight, 4, check=False)
+        return (y, *torch.autograd.grad(y, [a, gates, weight], p["dy"]))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    with torch.no_grad():
+        a.copy_(torch.randn_like(a))
+        gates.copy_(torch.rand_like(gates))
+    graph.replay()
+    torch.cuda.synchronize()
+    for x, z in zip(static, step()):
+        torch.testing.assert_close(x, z, rtol=0, atol=0)
+
+
+def test_bench_script_smoke(tmp_path):
+    """bench/tools/switchhead_output.py --smoke (tiny shapes; on the CPU under the interpreter) writes its
+    JSON and table: every implementation and pass per shape, the fused rows' errors against op 3 small."""
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "tools"))
+    import switchhead_output as bench
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "switchhead_output.json").read_text())
+    assert data["smoke"] and data["date"] and data["command"].startswith("python bench/tools/switchhead_output.py")
+    assert {(r["shape"], r["pass"], r["impl"]) for r in data["rows"]} == {
+        (s, p, i) for s in bench.SMOKE_SHAPES for p in ("fwd", "fwd+bwd") for i in bench.IMPLS}
+    assert all(r["ms"] > 0 and r["routed_TFLOPs"] > 0 for r in data["rows"])
+    fused = [r for r in data["rows"] if r["impl"] == "fused"]
+    tol = 1e-5 if data["dtype"] == "float32" else 3e-2
+    assert all(e < tol for r in fused for e in r["rel_error_vs_op3"].values())
+    md = (tmp_path / "switchhead_output.md").read_text()
+    assert "| shape |" in md and f"commit {data['commit'] or 'unknown'}, {data['date']}" in md
+    assert bench.paper_shape("262M") == dict(T=16384, H=4, E=4, k=2, D=112, d=1024)
+    assert bench.paper_shape("47M") == dict(T=16384, H=2, E=5, k=3, D=76, d=412)
