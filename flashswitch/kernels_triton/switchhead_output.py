@@ -520,7 +520,8 @@ def _validate(a, ids, gates, weight, num_experts, check, backend):
 
 @torch.compiler.assume_constant_result  # imports and an environment read: a constant to torch.compile
 def _triton_runs(device: str) -> bool:
-    return C.backend_available("triton", torch.device(device))
+    from flashswitch import backends
+    return backends.available("triton", torch.device(device))
 
 
 def _transformed() -> bool:

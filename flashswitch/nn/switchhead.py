@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import forward_ad
 
-from flashswitch._common import BACKEND_ENV, FLOAT_DTYPES, _under_functorch, backend_available, env_get
+from flashswitch import backends
+from flashswitch._common import BACKEND_ENV, FLOAT_DTYPES, _under_functorch, env_get
 from flashswitch.nn._routing import (check_positive, check_probability, compute_dtype, init_router_, matmul_weight,
                                      sigmoid_top_k)
 from flashswitch.ops.chunk_summaries import chunk_summaries
@@ -156,7 +157,7 @@ def _fused_output_backend(backend: str, device: str) -> bool:
         if forced not in ("auto", "triton") or (forced == "auto" and device.type != "cuda"):
             return False
         backend = "triton"
-    return backend == "triton" and backend_available("triton", device)
+    return backend == "triton" and backends.available("triton", device)
 
 
 class SwitchHeadAttention(nn.Module):
