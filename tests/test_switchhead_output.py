@@ -261,10 +261,11 @@ def test_layer_uses_fused_output_where_it_pays(monkeypatch):
     gradient equal op 3's path within fp32 rounding."""
     def layer(E, k, backend="triton"):
         torch.manual_seed(0)
-        return SwitchHeadAttention(16, 2, 12, E, k, backend=backend, device=DEVICE).eval()
+        return SwitchHeadAttention(16, 2, 12, E, k, backend=backend, fused_output=True, device=DEVICE).eval()
     x2 = torch.randn(3, 16, device=DEVICE)
     w = torch.randn(8, 12, 16, device=DEVICE)
     assert layer(4, 2).fused_output_wanted(x2, w) and layer(3, 2).fused_output_wanted(x2, w)
+    assert not SwitchHeadAttention(16, 2, 12, 4, 2, backend="triton", device=DEVICE).fused_output_wanted(x2, w)
     assert not layer(5, 2).fused_output_wanted(x2, w) and not layer(4, 1).fused_output_wanted(x2, w)
     assert not layer(4, 2, "reference").fused_output_wanted(x2, w)
     if DEVICE == "cpu":

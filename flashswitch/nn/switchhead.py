@@ -6,9 +6,10 @@ picking k of them per head with a sigmoid router (one router for V on the source
 the destination side; in self-attention both read the layer input x):
     V_h = sum_{e in topk(s_V,h)} s_V,h[e] x W_V[h, e],   O = sum_h sum_{e in topk(s_O,h)} s_O,h[e] A_h W_O[h, e]
 with A_h the causal attention output of head h. Both projections run as one op-3 call each
-(`flashswitch.route` + `flashswitch.expert_matmul`, gates fused, global expert id = h * E + e), except the
-output projection on the Triton kernels with E / k <= FUSED_OUTPUT_MAX_MAC_RATIO: one dense GEMM over all
-experts with zero gates where a token picked none (kernels_triton/switchhead_output.py).
+(`flashswitch.route` + `flashswitch.expert_matmul`, gates fused, global expert id = h * E + e). With
+fused_output=True, the output projection on the Triton kernels with E / k <= FUSED_OUTPUT_MAX_MAC_RATIO is
+one dense GEMM over all experts with zero gates where a token picked none
+(kernels_triton/switchhead_output.py).
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ ATTENTIONS = ("sdpa", "eva")
 _SDPA_HEAD_MULTIPLE = 8  # SDPA's flash kernels take head dims that are multiples of 8
 # The fused output projection (kernels_triton/switchhead_output.py) multiplies every expert of a head,
 # E / k times the routed multiply-adds, but as one dense GEMM at tensor-core rate with no gather and no
-# slot sum, a rate that more than makes up for twice the work at SwitchHead's output shapes; past E / k = 2
-# op 3's routed kernel runs.
+# slot sum; past E / k = 2 op 3's routed kernel runs. Opt-in (fused_output): its forward + backward beats
+# op 3's alone, but not yet inside the model's training step.
 FUSED_OUTPUT_MAX_MAC_RATIO = 2
 
 
@@ -170,7 +171,8 @@ class SwitchHeadAttention(nn.Module):
     eva_window_size, eva_window). rope_fraction: share of each head's dims rotated by RoPE (the paper's
     RoPE models rotate half; 0 turns it off). expert_dropout: probability of dropping a router score in
     training. backend: the flashswitch backend of every op the layer calls ("auto": kernels on the GPU,
-    the differentiable reference on the CPU).
+    the differentiable reference on the CPU). fused_output: the output projection as one dense GEMM over
+    every expert of a head (kernels_triton/switchhead_output.py) where E / k <= 2 on the Triton kernels.
 
     forward(x [B, N, embed_dim]) -> [B, N, embed_dim]; no host synchronisation (routing runs with
     check=False), so it can run under torch.compile and CUDA-graph capture. Inside autocast the expert
@@ -184,8 +186,12 @@ class SwitchHeadAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, head_dim: int, num_experts: int, experts_per_head: int, *,
                  attention: str = "sdpa", rope_fraction: float = 0.5, rope_base: float = 10000.0,
                  expert_dropout: float = 0.0, eva_chunk_size: int = 64, eva_window_size: int = 256,
-                 eva_window: str = "block", backend: str = "auto", device=None, dtype=None):
+                 eva_window: str = "block", backend: str = "auto", fused_output: bool = False, device=None,
+                 dtype=None):
         super().__init__()
+        if not isinstance(fused_output, bool):
+            raise TypeError(f"fused_output must be a bool, got {type(fused_output).__name__}")
+        self.fused_output = fused_output
         self.embed_dim = check_positive("embed_dim", embed_dim)
         self.num_heads = check_positive("num_heads", num_heads)
         self.head_dim = check_positive("head_dim", head_dim)
@@ -285,11 +291,11 @@ class SwitchHeadAttention(nn.Module):
         return v, output
 
     def fused_output_wanted(self, x2: torch.Tensor, o_weight: torch.Tensor) -> bool:
-        """Whether the output projection runs the fused kernel (kernels_triton/switchhead_output.py): the
-        backend is "triton", or "auto" on CUDA (FLASHSWITCH_BACKEND unset or "triton"), E / k is at most
+        """Whether the output projection runs the fused kernel (kernels_triton/switchhead_output.py): asked
+        for (fused_output), the backend is "triton", or "auto" on CUDA (FLASHSWITCH_BACKEND unset or "triton"), E / k is at most
         FUSED_OUTPUT_MAX_MAC_RATIO, the kernels take the dtypes, and no torch.func transform or
         forward-mode AD is active (their batching and tangents only op 3's paths carry)."""
-        if self.num_experts > FUSED_OUTPUT_MAX_MAC_RATIO * self.experts_per_head:
+        if not self.fused_output or self.num_experts > FUSED_OUTPUT_MAX_MAC_RATIO * self.experts_per_head:
             return False
         if x2.dtype not in FLOAT_DTYPES or not (o_weight.dtype == x2.dtype or o_weight.dtype == torch.float32):
             return False
