@@ -5,7 +5,7 @@ The projection (nn/switchhead.py) is routed: token t uses k of head h's E expert
 where the dense gate table w [T, H·E] (fp32) holds each picked expert's gate and 0 elsewhere. That is
 the dense GEMM y = Z · W_cat with
     Z[t, kk] = w[t, kk // D] · a[t, kk // (E·D), kk % D],   W_cat = weight viewed as [H·E·D, d],
-which does E / k times the routed multiply-adds but at a dense GEMM's rate: no gather of the pairs, no
+which does E / k times the routed multiply-adds, shaped as a dense GEMM: no gather of the pairs, no
 slot reduction (op 3's atomics or ordered scratch), no routing sort. Z is never stored: each K block of
 it is built in registers from a and w (`_z_tile`), rounded to a's dtype (the one rounding of the gated
 value, as op 3's DENSE_Z) and fed to tl.dot with fp32 accumulation. K runs over H·E·D in power-of-two
@@ -542,7 +542,7 @@ def switchhead_output(a: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, w
     (duplicate ids of a token add up). With SwitchHeadAttention's routing (slot s = h·k + j holds an
     expert of head h) this is expert_matmul(a, route(ids, H·E), weight, gates=gates, out_groups=1),
     computed as y = Z · W_cat over all H·E·D rows of weight with zero gates where a token picked no
-    expert: E / k times the routed multiply-adds at a dense GEMM's rate, no slot reduction, no routing.
+    expert: E / k times the routed multiply-adds as one dense GEMM, no slot reduction, no routing.
 
     check=True: one host sync checks that every id lies in [0, H·E) (ValueError naming ids); pass
     False for CUDA-graph capture and torch.compile, where out-of-range ids are dropped. backend: "auto"
