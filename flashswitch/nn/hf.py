@@ -76,6 +76,9 @@ def use_eva(model, *, chunk_size: int, window_size: int, window: str = "block", 
     check_window(chunk_size, window_size, window)
     if summaries not in ("mean", "weighted"):
         raise ValueError(f"summaries must be 'mean' or 'weighted', got {summaries!r}")
+    if summary_bias not in (None, "log_count"):
+        raise ValueError(f"summary_bias must be None or 'log_count' here (EvaAttention has 'learned' and 'off'), "
+                         f"got {summary_bias!r}")
     register()
     cfg = model.config
     cfg.eva_chunk_size, cfg.eva_window_size, cfg.eva_window = chunk_size, window_size, window
