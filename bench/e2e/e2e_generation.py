@@ -490,11 +490,12 @@ def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err)
 
 
-def run_max_batch(model, src_caches, first_token, P, max_len, steps, budget, attention) -> dict:
+def run_max_batch(model, src_caches, first_token, P, max_len, steps, budget, attention, max_batch=None) -> dict:
+    """The decode row at the largest batch that fits in `budget` (at most max_batch where given)."""
     kv = sum(c.nbytes for c in src_caches)
     act = activation_bytes_per_seq(model.cfg, attention, src_caches[0])
     free = budget - torch.cuda.memory_allocated() - RESERVE
-    B = estimate = max_batch_estimate(free, kv, act)
+    B = estimate = min(max_batch_estimate(free, kv, act), max_batch or float("inf"))
     tries = []
     while True:
         failed = False

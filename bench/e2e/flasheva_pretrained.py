@@ -120,6 +120,8 @@ KNOBS = {
     "gen_tokens": (64, 6, "new tokens per generation"),
     "tradeoff": (["256,32", "512,32", "256,64", "1024,64"], ["8,4", "16,4"], "EVA sliding W,C settings"),
     "decode_steps": (16, 2, "timed decode steps per trade-off row"),
+    # a tiny model fits millions of sequences, past what the attention kernels take in one launch
+    "max_decode_batch": (0, 256, "largest decode batch of a trade-off row (0: as many as fit)"),
     "corpus_chars": (0, 3000, "characters kept of each text (0: all)"),
     "budget_s": (320.0, 300.0, "no new item starts past this many seconds since the start"),
 }
@@ -611,7 +613,8 @@ def decode_throughput(run: Run, model: LlamaLM, exact: bool) -> dict:
         pre, src, first = G.run_prefill(model, "sdpa" if exact else "eva-sliding", P, max_len, 1, run.args.seed)
         E.free_memory(run.device)
         budget = torch.cuda.memory_allocated() + torch.cuda.mem_get_info()[0]
-        r = G.run_max_batch(model, src, first, P, max_len, steps, budget, "sdpa" if exact else "eva")
+        r = G.run_max_batch(model, src, first, P, max_len, steps, budget, "sdpa" if exact else "eva",
+                            max_batch=run.args.max_decode_batch or None)
         out.update(prefill_ms=pre["ms"], batch=r["batch"], ms_per_step=r["ms"], tokens_per_s=r["tokens_per_s"],
                    graph=True, finite=r["finite"], oom_batches=r.get("oom_batches"))
     else:  # eager steps at batch 2 (the smoke run)
