@@ -4,7 +4,9 @@ and its autograd gradients (da, dgates, dweight). Each output passes the SPEC ru
 with the same routed sum in the kernels' precision as baseline and the problem's conditioning
 (testing.rounding_sensitivity) as a floor of the bound. On the CPU the kernels run under the Triton
 interpreter in fp32 (tiny shapes); bf16 / fp16 (with fp32 master weights, as the layer passes them) on
-the GPU. Outputs start as NaN (FLASHSWITCH_POISON, set by conftest), so a tile left unwritten fails."""
+the GPU. Both forms of the forward and of the weight gradient (K.FORMS: Z tiles built per column, or per
+expert block as a row scale of a) pass the same checks. Outputs start as NaN (FLASHSWITCH_POISON, set by
+conftest), so a tile left unwritten fails."""
 import pytest
 import torch
 
@@ -18,6 +20,12 @@ from flashswitch.testing import assert_close, rounding_sensitivity
 F64 = torch.float64
 CONDITIONING_FACTOR = 4  # as tests/test_switchhead.py: a few roundings per term, each at most half an eps
 GRADS = ("a", "gates", "weight")
+
+
+def use_form(monkeypatch, form):
+    """The kernels' default form (forward and weight gradient) for the test."""
+    monkeypatch.setattr(K, "FORWARD_FORM", form)
+    monkeypatch.setattr(K, "DWEIGHT_FORM", form)
 
 
 def make_problem(T, H, E, k, D, d, dtype=torch.float32, *, master=False, seed=0, device=DEVICE):
@@ -81,13 +89,19 @@ def with_dy(p, seed=1):
 CASES = [(37, 3, 5, 2, 12, 20), (70, 1, 2, 1, 12, 24), (130, 3, 4, 2, 28, 72), (9, 2, 4, 2, 16, 16),
          (23, 3, 2, 1, 20, 36), (5, 1, 5, 2, 12, 8)]
 SMALL = dict(forward=dict(BT=16, BN=16, BK=16, GROUP_T=2, num_warps=4, num_stages=2),
+             forward_rows=dict(BT=16, BN=16, BK=16, HEAD_LOOP=False, GROUP_T=2, num_warps=4, num_stages=2),
+             forward_head_loop=dict(BT=16, BN=16, BK=16, HEAD_LOOP=True, GROUP_T=2, num_warps=4, num_stages=2),
+             dweight_rows=dict(BM=16, BN=16, BT=16, num_warps=4, num_stages=2),
              da_dw=dict(BT=16, BN=16, num_warps=4, num_stages=2),
              dweight=dict(BM=16, BN=16, BT=16, num_warps=4, num_stages=2))
 
 
+@pytest.mark.parametrize("form", K.FORMS)
 @pytest.mark.parametrize("T,H,E,k,D,d", CASES)
-def test_matches_oracle_fp32(T, H, E, k, D, d):
-    """Forward and backward through the public call (autotuned configs; the interpreter takes the first)."""
+def test_matches_oracle_fp32(T, H, E, k, D, d, form, monkeypatch):
+    """Forward and backward through the public call (autotuned configs; the interpreter takes the first),
+    each form of the kernels as the module's default."""
+    use_form(monkeypatch, form)
     p = with_dy(make_problem(T, H, E, k, D, d, seed=T + D))
     check(p, run_public(p), torch.float32)
 
@@ -102,6 +116,53 @@ def test_small_tiles_and_split_token_sum(T, H, E, k, D, d):
     da, dg, dw = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], p["gates"].dtype, True, True, True,
                             configs=SMALL, splits=3)
     check(p, {"y": y, "da": da, "dgates": dg, "dweight": dw}, torch.float32)
+
+
+@pytest.mark.parametrize("T,H,E,k,D,d", [CASES[2], CASES[4], CASES[0]])
+@pytest.mark.parametrize("kind", ["forward_rows", "forward_head_loop"])
+def test_row_scale_forward_small_tiles(T, H, E, k, D, d, kind):
+    """The row-scale forward with 16-wide tiles: K steps of 16 inside an expert block of D = 28 or 20
+    (padded to 32: the second step masked) or D = 12 (one step of 16), and the head loop (a's head tile
+    once for its E experts)."""
+    p = make_problem(T, H, E, k, D, d, seed=19)
+    w = K.gate_table(p["ids"], p["gates"], H * E)
+    y = K.forward(p["a"], w, p["weight"], config=SMALL[kind], form="rows")
+    check_forward(p, y, torch.float32)
+
+
+@pytest.mark.parametrize("T,H,E,k,D,d", [CASES[2], CASES[0]])
+def test_row_scale_weight_gradient_small_tiles_and_splits(T, H, E, k, D, d):
+    """The row-scale weight gradient with 16 rows of an expert block per program (D = 28: two blocks, the
+    second masked; D = 12: one) and the token sum split in three ranges."""
+    p = with_dy(make_problem(T, H, E, k, D, d, seed=23))
+    w = K.gate_table(p["ids"], p["gates"], H * E)
+    dw = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], p["gates"].dtype, False, False, True,
+                    configs={"dweight": SMALL["dweight_rows"]}, splits=3, form="rows")[2]
+    inputs = {n: p[n] for n in GRADS} | {"dy": p["dy"]}
+    ref = outputs(inputs, p["ids"], p["E"], F64)["dweight"]
+    base = outputs(inputs, p["ids"], p["E"], torch.float32)["dweight"]
+    assert_close("dweight", dw, ref, torch.float32, baseline=base)
+
+
+def check_forward(p, y, dtype):
+    """y alone within the SPEC rule of the fp64 oracle (check's rule without the gradients)."""
+    def fwd(i, dt):
+        return {"y": routed_sum(i["a"], p["ids"], i["gates"], i["weight"], p["E"], dt)}
+    inputs = {n: p[n] for n in GRADS}
+    ref = fwd(inputs, F64)["y"]
+    base = fwd(inputs, torch.float32 if dtype == torch.float32 else dtype)["y"]
+    sens = rounding_sensitivity(lambda i: fwd(i, F64), inputs, dtype)["y"]
+    assert y.shape == ref.shape
+    assert_close("y", y, ref, dtype, baseline=base, tol=CONDITIONING_FACTOR * sens)
+
+
+def test_forward_form_is_checked():
+    p = make_problem(6, 2, 3, 2, 8, 8)
+    with pytest.raises(ValueError, match="form"):
+        K.forward(p["a"], K.gate_table(p["ids"], p["gates"], 6), p["weight"], form="diagonal")
+    with pytest.raises(ValueError, match="form"):
+        K.backward(p["a"][:, 0], p["a"], p["ids"], K.gate_table(p["ids"], p["gates"], 6), p["weight"],
+                   torch.float32, False, False, True, form="diagonal")
 
 
 def test_every_listed_config_agrees():
@@ -125,6 +186,9 @@ def test_every_listed_config_agrees():
     for cfg in K.FORWARD_CONFIGS:
         if (y := run(lambda: K.forward(p["a"], w, p["weight"], config=cfg))) is not None:
             assert_close(f"y {cfg}", y, ref["y"], torch.float32)
+    for cfg in K.FORWARD_ROWS_CONFIGS:
+        if (y := run(lambda: K.forward(p["a"], w, p["weight"], config=cfg, form="rows"))) is not None:
+            assert_close(f"y rows {cfg}", y, ref["y"], torch.float32)
     for cfg in K.DA_DW_CONFIGS:
         if (out := run(lambda: K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, True, True,
                                           False, configs={"da_dw": cfg}))) is not None:
@@ -134,8 +198,13 @@ def test_every_listed_config_agrees():
         if (out := run(lambda: K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False,
                                           True, configs={"dweight": cfg}, splits=2))) is not None:
             assert_close(f"dweight {cfg}", out[2], ref["dweight"], torch.float32)
-    listed = len(K.FORWARD_CONFIGS) + len(K.DA_DW_CONFIGS) + len(K.DWEIGHT_CONFIGS)
-    assert ran >= listed - (3 if DEVICE == "cuda" else 0)
+    for cfg in K.DWEIGHT_ROWS_CONFIGS:
+        if (out := run(lambda: K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False,
+                                          True, configs={"dweight": cfg}, splits=2, form="rows"))) is not None:
+            assert_close(f"dweight rows {cfg}", out[2], ref["dweight"], torch.float32)
+    listed = sum(map(len, (K.FORWARD_CONFIGS, K.FORWARD_ROWS_CONFIGS, K.DA_DW_CONFIGS, K.DWEIGHT_CONFIGS,
+                           K.DWEIGHT_ROWS_CONFIGS)))
+    assert ran >= listed - (8 if DEVICE == "cuda" else 0)
 
 
 def test_wanted_gradients_only_and_deterministic():
@@ -195,13 +264,15 @@ def test_outputs_are_poisoned_before_launch(monkeypatch):
     class Stub:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
-    for name in ("_forward_tuned", "_da_dw_tuned", "_dweight_tuned", "_gate_table_kernel", "_gate_grad_kernel",
-                 "_sum_splits"):
+    for name in ("_forward_tuned", "_forward_rows_tuned", "_da_dw_tuned", "_dweight_tuned", "_dweight_rows_tuned",
+                 "_gate_table_kernel", "_gate_grad_kernel", "_sum_splits"):
         monkeypatch.setattr(K, name, Stub())
     p = with_dy(make_problem(10, 2, 4, 2, 12, 16))
     w = K.gate_table(p["ids"], p["gates"], 8)
-    outs = [w, K.forward(p["a"], w, p["weight"]),
-            *K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, True, True, True, splits=2)]
+    outs = [w, K.forward(p["a"], w, p["weight"], form="columns"), K.forward(p["a"], w, p["weight"], form="rows"),
+            *K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, True, True, True, splits=2),
+            K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False, True, splits=2,
+                       form="rows")[2]]
     assert all(t.isnan().all() for t in outs)
 
 
@@ -296,8 +367,11 @@ def test_layer_uses_fused_output_where_it_pays(monkeypatch):
         torch.testing.assert_close(g, g3, rtol=1e-4, atol=1e-5)
 
 
-def test_fused_equals_op3_on_the_layers_routing():
-    """With the layer's slot layout the fused call is expert_matmul(..., out_groups=1)."""
+@pytest.mark.parametrize("form", K.FORMS)
+def test_fused_equals_op3_on_the_layers_routing(form, monkeypatch):
+    """With the layer's slot layout the fused call (either form of the kernels) is
+    expert_matmul(..., out_groups=1)."""
+    use_form(monkeypatch, form)
     p = make_problem(33, 3, 4, 2, 12, 20, seed=17)
     fused = K.switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], 4, backend="triton")
     op3 = expert_matmul(p["a"], route(p["ids"], 12), p["weight"], gates=p["gates"], out_groups=1, backend="triton")
@@ -306,12 +380,15 @@ def test_fused_equals_op3_on_the_layers_routing():
 
 # ---------------------------------------------------------------- GPU: half precision, CUDA graphs
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", K.FORMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("master", [True, False])
 @pytest.mark.parametrize("T,H,E,k,D,d", [(1000, 4, 4, 2, 112, 256), (777, 2, 5, 3, 76, 412), (300, 3, 2, 1, 12, 40),
                                          (4100, 1, 4, 2, 64, 128)])
-def test_half_precision_on_gpu(dtype, master, T, H, E, k, D, d):
-    """bf16 / fp16 a with fp32 master weights (the layer under autocast) or weights in a's dtype."""
+def test_half_precision_on_gpu(dtype, master, T, H, E, k, D, d, form, monkeypatch):
+    """bf16 / fp16 a with fp32 master weights (the layer under autocast) or weights in a's dtype, each form
+    of the kernels."""
+    use_form(monkeypatch, form)
     p = with_dy(make_problem(T, H, E, k, D, d, dtype, master=master, seed=T))
     check(p, run_public(p), dtype)
 
@@ -358,7 +435,7 @@ def test_cuda_graph_capture():
 
 def test_bench_script_smoke(tmp_path):
     """bench/tools/switchhead_output.py --smoke (tiny shapes; on the CPU under the interpreter) writes its
-    JSON and table: every implementation and pass per shape, the fused rows' errors against op 3 small."""
+    JSON and table: every implementation and pass per shape, both fused forms' errors against op 3 small."""
     import json
     import sys
     from pathlib import Path
@@ -370,7 +447,8 @@ def test_bench_script_smoke(tmp_path):
     assert {(r["shape"], r["pass"], r["impl"]) for r in data["rows"]} == {
         (s, p, i) for s in bench.SMOKE_SHAPES for p in ("fwd", "fwd+bwd") for i in bench.IMPLS}
     assert all(r["ms"] > 0 and r["routed_TFLOPs"] > 0 for r in data["rows"])
-    fused = [r for r in data["rows"] if r["impl"] == "fused"]
+    fused = [r for r in data["rows"] if r["impl"] in bench.FUSED]
+    assert {r["impl"] for r in fused} == {"fused", "fused, row scale"}
     tol = 1e-5 if data["dtype"] == "float32" else 3e-2
     assert all(e < tol for r in fused for e in r["rel_error_vs_op3"].values())
     md = (tmp_path / "switchhead_output.md").read_text()

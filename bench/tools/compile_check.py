@@ -286,8 +286,8 @@ def check_layer_ops(arch: int, dtype: str) -> list[dict]:
 def check_switchhead_output(arch: int, dtype: str) -> list[dict]:
     """Compile the fused output projection's kernels (kernels_triton/switchhead_output.py) with every config
     of their lists at SwitchHead-262M's and 47M's output shapes (a in `dtype`, fp32 master weights for 16-bit
-    a, as the layer passes them): the forward, and the backward's da/dw and dweight kernels (with a split of
-    the token sum, as on the GPU)."""
+    a, as the layer passes them): the forward and the dweight kernel in both forms (columns, rows), and the
+    backward's da/dw kernel (dweight with a split of the token sum, as on the GPU)."""
     from flashswitch import registry
     from flashswitch.kernels_triton import switchhead_output as ops
 
@@ -303,12 +303,18 @@ def check_switchhead_output(arch: int, dtype: str) -> list[dict]:
         dy = torch.zeros(T, d, dtype=dt)
         runs = [(f"forward {cfg}", lambda cfg=cfg: ops.forward(a, w, weight, config=cfg))
                 for cfg in ops.FORWARD_CONFIGS]
+        runs += [(f"forward rows {cfg}", lambda cfg=cfg: ops.forward(a, w, weight, config=cfg, form="rows"))
+                 for cfg in ops.FORWARD_ROWS_CONFIGS]
         runs += [(f"da_dw {cfg}", lambda cfg=cfg: ops.backward(dy, a, ids, w, weight, torch.float32, True, True, False,
                                                                 configs={"da_dw": cfg}))
                  for cfg in ops.DA_DW_CONFIGS]
         runs += [(f"dweight {cfg}", lambda cfg=cfg: ops.backward(dy, a, ids, w, weight, torch.float32, False, False,
                                                                   True, configs={"dweight": cfg}, splits=2))
                  for cfg in ops.DWEIGHT_CONFIGS]
+        runs += [(f"dweight rows {cfg}", lambda cfg=cfg: ops.backward(dy, a, ids, w, weight, torch.float32, False,
+                                                                       False, True, configs={"dweight": cfg},
+                                                                       splits=2, form="rows"))
+                 for cfg in ops.DWEIGHT_ROWS_CONFIGS]
         print(f"switchhead_output {label} {dtype}: {len(runs)} configs", flush=True)
         rows += [compile_row({"op": "switchhead_output", "shape": label, "config": {"case": name}}, [ops], run, arch,
                              name) for name, run in runs]

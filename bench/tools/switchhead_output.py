@@ -1,24 +1,26 @@
 """SwitchHead's output projection three ways, forward and forward + backward, at the papers' shapes:
-the fused dense-over-experts kernel (kernels_triton/switchhead_output.py), op 3 as the layer calls it
-otherwise (route + expert_matmul, backend "auto": the tuned kernel), and a dense bf16 matmul with the
-routed multiply-adds (x [T, H·k·D] @ W [H·k·D, d], the roof). Every rate is counted on the routed
-MACs (2·T·H·k·D·d flops forward, 3x that forward + backward), so the columns compare times directly.
+the fused dense-over-experts kernels (kernels_triton/switchhead_output.py, both forms of its kernels), op 3
+as the layer calls it otherwise (route + expert_matmul, backend "auto": the tuned kernel), and a dense bf16
+matmul with the routed multiply-adds (x [T, H·k·D] @ W [H·k·D, d], the roof). Every rate is counted on the
+routed MACs (2·T·H·k·D·d flops forward, 3x that forward + backward), so the columns compare times directly.
 
     python bench/tools/switchhead_output.py [--shapes 262M 47M] [--out DIR]
     python bench/tools/switchhead_output.py --smoke --out DIR      # tiny shapes; the CPU under the interpreter
 
 Shapes: T = 16384 tokens (the 262M model's batch; the 47M one at the same T), a in bf16, the output experts
-as fp32 master weights (what the layer passes under autocast). Rows: "fused" (fp32 weights cast per tile in
-the kernel: the layer's path), "fused, W cast once" (the weights cast to bf16 per call before the kernels,
-autograd through the cast: a variant to weigh, its weight gradient is rounded to bf16), "op 3", "dense
-(routed MACs)". Times: `triton.testing.do_bench` medians (L2 flushed; bench/common.py bench_ms) after a
-warm-up call that runs the kernels' autotuning. Also recorded: the fused outputs' relative error against
-op 3's and the configs the autotuner picked. Writes switchhead_output.{json,md} under
-bench/results/<device>/ (or --out; without a GPU only with --out).
+as fp32 master weights (what the layer passes under autocast). Rows: "fused" (the per-column Z tile forward,
+fp32 weights cast per tile in the kernel: the layer's path), "fused, W cast once" (the weights cast to bf16
+per call before the kernels, autograd through the cast: a variant to weigh, its weight gradient is rounded
+to bf16), "fused, row scale" and "fused, row scale, W cast once" (the same with the row-scale forward and
+weight gradient, the kernels' form "rows"), "op 3", "dense (routed MACs)". Times: `triton.testing.do_bench`
+medians (L2 flushed; bench/common.py bench_ms) after a warm-up call that runs the kernels' autotuning. Also
+recorded: each fused form's relative error against op 3's outputs and the configs the autotuner picked.
+Writes switchhead_output.{json,md} under bench/results/<device>/ (or --out; without a GPU only with --out).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -49,7 +51,9 @@ def paper_shape(size: str, T: int = TOKENS) -> dict:
 
 
 SMOKE_SHAPES = {"tiny": dict(T=64, H=2, E=4, k=2, D=12, d=32), "tiny odd": dict(T=50, H=2, E=5, k=3, D=20, d=24)}
-IMPLS = ("fused", "fused, W cast once", "op 3", "dense (routed MACs)")
+IMPLS = ("fused", "fused, W cast once", "fused, row scale", "fused, row scale, W cast once", "op 3",
+         "dense (routed MACs)")
+FUSED = ("fused", "fused, row scale")  # the rows whose outputs are compared with op 3's
 
 
 def make_inputs(s: dict, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
@@ -69,6 +73,17 @@ def make_inputs(s: dict, dtype: torch.dtype, device: str, seed: int = 0) -> dict
         w=(torch.randn(H * k * D, d, generator=g, device=device) * (H * k * D) ** -0.5).to(dtype))
 
 
+@contextlib.contextmanager
+def kernel_form(form: str):
+    """The fused forward and weight gradient in `form` (K.FORMS) for the calls made inside."""
+    old = K.FORWARD_FORM, K.DWEIGHT_FORM
+    K.FORWARD_FORM = K.DWEIGHT_FORM = form
+    try:
+        yield
+    finally:
+        K.FORWARD_FORM, K.DWEIGHT_FORM = old
+
+
 def callables(p: dict, s: dict) -> dict:
     """{impl: (forward, forward + backward)}, each a no-argument call as a training step makes it."""
     E, HE = s["E"], s["H"] * s["E"]
@@ -86,15 +101,20 @@ def callables(p: dict, s: dict) -> dict:
         rt = route(p["ids"], HE, check=False)  # the layer routes in every step
         return expert_matmul(a, rt, matmul_weight(weight, dtype), gates=gates, out_groups=1)[:, 0]
 
-    def step(fn):
+    def step(fn, form="columns"):
+        def fwd():
+            with kernel_form(form):
+                return fn(p["a"], p["gates"], p["weight"])
+
         def train():
-            return torch.autograd.grad(fn(*leaves), leaves, p["dy"])
-        return (lambda: fn(p["a"], p["gates"], p["weight"])), train
+            with kernel_form(form):
+                return torch.autograd.grad(fn(*leaves), leaves, p["dy"])
+        return fwd, train
 
     wx = [p["x"].detach().requires_grad_(), p["w"].detach().requires_grad_()]
     dense = (lambda: p["x"] @ p["w"], lambda: torch.autograd.grad(wx[0] @ wx[1], wx, p["dy"]))
-    return {"fused": step(fused), "fused, W cast once": step(fused_cast), "op 3": step(op3),
-            "dense (routed MACs)": dense}
+    return {"fused": step(fused), "fused, W cast once": step(fused_cast), "fused, row scale": step(fused, "rows"),
+            "fused, row scale, W cast once": step(fused_cast, "rows"), "op 3": step(op3), "dense (routed MACs)": dense}
 
 
 def time_ms(fn, gpu: bool) -> float:
@@ -111,7 +131,9 @@ def time_ms(fn, gpu: bool) -> float:
 def best_configs() -> dict:
     """The configs the autotuner picked last for the fused kernels."""
     out = {}
-    for name, tuned in (("forward", K._forward_tuned), ("da_dw", K._da_dw_tuned), ("dweight", K._dweight_tuned)):
+    for name, tuned in (("forward", K._forward_tuned), ("forward_rows", K._forward_rows_tuned),
+                        ("da_dw", K._da_dw_tuned), ("dweight", K._dweight_tuned),
+                        ("dweight_rows", K._dweight_rows_tuned)):
         cfg = getattr(tuned, "best_config", None)
         if cfg is not None:
             out[name] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -122,9 +144,10 @@ def measure(label: str, s: dict, dtype: torch.dtype, device: str, gpu: bool) -> 
     p = make_inputs(s, dtype, device)
     fns = callables(p, s)
     routed_flops = 2 * s["T"] * s["H"] * s["k"] * s["D"] * s["d"]
-    # fused vs op 3 on the same inputs: output and gradients
-    got = {impl: (fns[impl][0](), *fns[impl][1]()) for impl in ("fused", "op 3")}
-    errors = {name: rel_error(f, o) for name, f, o in zip(("y", "da", "dgates", "dweight"), got["fused"], got["op 3"])}
+    # each fused form vs op 3 on the same inputs: output and gradients
+    got = {impl: (fns[impl][0](), *fns[impl][1]()) for impl in (*FUSED, "op 3")}
+    errors = {impl: {name: rel_error(f, o) for name, f, o in zip(("y", "da", "dgates", "dweight"), got[impl],
+                                                                  got["op 3"])} for impl in FUSED}
     del got
     rows = []
     for pass_, flops in (("fwd", routed_flops), ("fwd+bwd", 3 * routed_flops)):
@@ -141,7 +164,8 @@ def measure(label: str, s: dict, dtype: torch.dtype, device: str, gpu: bool) -> 
             r["rate_vs_dense"] = by["dense (routed MACs)"]["ms"] / r["ms"]
             r["speedup_vs_op3"] = by["op 3"]["ms"] / r["ms"]
         by["fused"]["configs"] = best_configs()
-        by["fused"]["rel_error_vs_op3"] = errors
+        for impl in FUSED:
+            by[impl]["rel_error_vs_op3"] = errors[impl]
         print(f"{label} {pass_}: " + ", ".join(f"{i} {by[i]['ms']:.3f} ms" for i in IMPLS), flush=True)
     return rows
 
@@ -160,11 +184,13 @@ def markdown(data: dict) -> str:
         dims = ", ".join(str(r[n]) for n in ("T", "H", "E", "k", "D", "d"))
         lines.append(f"| {r['shape']} | {dims} | {r['pass']} | {r['impl']} | {r['ms']:.3f} | "
                      f"{r['routed_TFLOPs']:.1f} | {r['rate_vs_dense']:.2f} | {r['speedup_vs_op3']:.2f} |")
-    lines += ["", "Fused against op 3 on the same inputs (relative L2 error) and the configs the autotuner picked:", ""]
+    lines += ["", "Fused (each forward form) against op 3 on the same inputs (relative L2 error) and the configs the "
+              "autotuner picked:", ""]
     for r in data["rows"]:
-        if r["impl"] == "fused" and r["pass"] == "fwd+bwd":
+        if r["impl"] in FUSED and r["pass"] == "fwd+bwd":
             errs = ", ".join(f"{k} {v:.2e}" for k, v in r["rel_error_vs_op3"].items())
-            lines.append(f"- {r['shape']}: {errs}; configs {json.dumps(r.get('configs', {}))}")
+            cfgs = f"; configs {json.dumps(r['configs'])}" if "configs" in r else ""
+            lines.append(f"- {r['shape']}, {r['impl']}: {errs}{cfgs}")
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,9 @@ it is built in registers from a and w (`_z_tile`), rounded to a's dtype (the one
 value, as op 3's DENSE_Z) and fed to tl.dot with fp32 accumulation. K runs over H·E·D in power-of-two
 blocks with masks at its end only, so a head dim such as 112 or 76 costs no padded multiply-adds. fp32
 master weights with 16-bit a are cast per tile in registers, as op 3 does.
+The row-scale form (`_forward_rows_kernel`, form "rows") runs K over the H·E expert blocks instead, each
+padded from D to a multiple of its K step (masked): a Z block is a's contiguous head tile times one gate
+per row, so a and W load affinely and the pipeliner prefetches both; FORWARD_FORM picks the form.
 
 Backward (dZ = dy · W_catᵀ is never stored either):
 - `_da_dw_kernel`, one program per (token tile, head h): for each expert e of h, acc_e = dy · W[h·E+e]ᵀ
@@ -19,6 +22,8 @@ Backward (dZ = dy · W_catᵀ is never stored either):
 - `_dweight_kernel`: dW_cat = Zᵀ · dy, tiled over W_cat's rows as the forward tiles its K (no padding
   of D), the token sum split over `splits` ranges on a GPU with few output tiles: fp32 partial sums
   that `_sum_splits` adds in split order. No float atomics anywhere: the backward is deterministic.
+  Its row-scale form `_dweight_rows_kernel` (DWEIGHT_FORM "rows") tiles per expert block as the
+  row-scale forward does.
 - dgates[t, s] = dw[t, ids[t, s]] (`_gate_grad_kernel`).
 
 Tiles come from `triton.autotune` over a short list per kernel, keyed on the shape (the interpreter
@@ -101,6 +106,67 @@ def _forward_kernel(a_ptr, g_ptr, w_ptr, y_ptr, T, T_BUCKET, d, s_at, s_ah, s_gt
 
 
 @triton.jit
+def _forward_rows_kernel(a_ptr, g_ptr, w_ptr, y_ptr, T, T_BUCKET, d, s_at, s_ah, s_gt, s_we, s_wk, s_wn, s_yt,
+                         D: tl.constexpr, E: tl.constexpr, H: tl.constexpr, DIV: tl.constexpr,
+                         DIV_N: tl.constexpr, DOT_PRECISION: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, HEAD_LOOP: tl.constexpr, GROUP_T: tl.constexpr):
+    """The forward's row-scale form: y tile = Σ_h Σ_e (w[:, h·E+e] ⊙ a[:, h]) · W[h·E+e], K running over
+    the H·E (head, expert) blocks, each padded from D to a multiple of the K step (masked). A Z block is
+    a's head tile scaled per row by one [BT] gate load: affine loads of a and W that the pipeliner can
+    prefetch, no per-column index math or gate select.
+    HEAD_LOOP: a's [BT, BD] head tile is loaded once per head and feeds its E experts (K step BD);
+    otherwise one flat loop over (expert block, K step of min(BK, BD)), a's tile reloaded per step."""
+    s_at, s_ah = _aligned(s_at, DIV), _aligned(s_ah, DIV)
+    d, s_we, s_wk, s_yt = _aligned(d, DIV_N), _aligned(s_we, DIV_N), _aligned(s_wk, DIV_N), _aligned(s_yt, DIV_N)
+    pid = tl.program_id(0)  # the token-tile grouping of _forward_kernel
+    n_t = tl.cdiv(T, BT)
+    width = GROUP_T * tl.cdiv(d, BN)
+    first_t = (pid // width) * GROUP_T
+    rows = tl.minimum(n_t - first_t, GROUP_T)
+    pid_t = first_t + (pid % width) % rows
+    pid_n = (pid % width) // rows
+
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    tmask = offs_t < T
+    t64 = offs_t.to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < d
+    a_rows = a_ptr + t64[:, None] * s_at
+    g_rows = g_ptr + t64 * s_gt
+    acc = tl.zeros((BT, BN), dtype=tl.float32)
+    if HEAD_LOOP:
+        offs_j = tl.arange(0, BD)
+        jmask = offs_j < D
+        w_tile = offs_j[:, None] * s_wk + offs_n[None, :] * s_wn
+        for h in range(H):
+            a = tl.load(a_rows + h * s_ah + offs_j[None, :], mask=tmask[:, None] & jmask[None, :],
+                        other=0.0).to(tl.float32)
+            for e in range(E):
+                he = h * E + e
+                gate = tl.load(g_rows + he, mask=tmask, other=0.0)
+                wt = tl.load(w_ptr + he.to(tl.int64) * s_we + w_tile, mask=jmask[:, None] & nmask[None, :],
+                             other=0.0)
+                z = (a * gate[:, None]).to(a_ptr.dtype.element_ty)
+                acc = tl.dot(z, wt.to(z.dtype), acc, input_precision=DOT_PRECISION)
+    else:
+        BKE: tl.constexpr = min(BK, BD)
+        NC: tl.constexpr = (D + BKE - 1) // BKE  # K steps per expert block
+        offs_k = tl.arange(0, BKE)
+        for step in range(H * E * NC):
+            he = step // NC
+            j = (step - he * NC) * BKE + offs_k
+            jmask = j < D
+            a = tl.load(a_rows + (he // E) * s_ah + j[None, :], mask=tmask[:, None] & jmask[None, :], other=0.0)
+            gate = tl.load(g_rows + he, mask=tmask, other=0.0)
+            wt = tl.load(w_ptr + he.to(tl.int64) * s_we + j[:, None] * s_wk + offs_n[None, :] * s_wn,
+                         mask=jmask[:, None] & nmask[None, :], other=0.0)
+            z = (a.to(tl.float32) * gate[:, None]).to(a_ptr.dtype.element_ty)
+            acc = tl.dot(z, wt.to(z.dtype), acc, input_precision=DOT_PRECISION)
+    tl.store(y_ptr + t64[:, None] * s_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=tmask[:, None] & nmask[None, :])
+
+
+@triton.jit
 def _da_dw_kernel(dy_ptr, a_ptr, g_ptr, w_ptr, da_ptr, dw_ptr, T, T_BUCKET, d,
                   s_dyt, s_at, s_ah, s_gt, s_we, s_wk, s_wn, s_dat, s_dah, s_dwt,
                   D: tl.constexpr, E: tl.constexpr, DIV: tl.constexpr, DIV_N: tl.constexpr,
@@ -172,6 +238,46 @@ def _dweight_kernel(dy_ptr, a_ptr, g_ptr, out_ptr, T, T_BUCKET, d, t_chunk, s_dy
 
 
 @triton.jit
+def _dweight_rows_kernel(dy_ptr, a_ptr, g_ptr, out_ptr, T, T_BUCKET, d, t_chunk, s_dyt, s_at, s_ah, s_gt, s_os,
+                         s_ok, D: tl.constexpr, E: tl.constexpr, H: tl.constexpr, DIV: tl.constexpr,
+                         DIV_N: tl.constexpr, DOT_PRECISION: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BT: tl.constexpr):
+    """The row-scale form of _dweight_kernel: one program per (expert block h·E+e, block of BM of its D
+    rows, n tile, split); out[split, rows, n tile] = (w[:, h·E+e] ⊙ a[:, h, rows])ᵀ · dy[:, n tile]."""
+    # per expert block rather than the flat tiling over W_cat's rows: the Z tile is an affine load of a
+    # scaled per row by one gate vector (no per-column index math or select), at the price of padding D
+    # to a multiple of the row block (masked rows, computed and dropped)
+    s_at, s_ah = _aligned(s_at, DIV), _aligned(s_ah, DIV)
+    d, s_dyt, s_ok = _aligned(d, DIV_N), _aligned(s_dyt, DIV_N), _aligned(s_ok, DIV_N)
+    BME: tl.constexpr = min(BM, BD)
+    NC: tl.constexpr = (D + BME - 1) // BME  # row blocks per expert block
+    he = tl.program_id(0) // NC
+    j = (tl.program_id(0) - he * NC) * BME + tl.arange(0, BME)
+    jmask = j < D
+    split = tl.program_id(2)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = offs_n < d
+    t_lo = split * t_chunk
+    t_hi = tl.minimum(T, t_lo + t_chunk)
+    a_cols = a_ptr + (he // E) * s_ah + j[None, :]
+    # dyᵀ · Z, Z as the dot's shared-memory operand (as _dweight_kernel: no serialized wgmma)
+    acc = tl.zeros((BN, BME), dtype=tl.float32)
+    for t0 in range(t_lo, t_hi, BT):
+        offs_t = t0 + tl.arange(0, BT)
+        tmask = offs_t < t_hi
+        t64 = offs_t.to(tl.int64)
+        a = tl.load(a_cols + t64[:, None] * s_at, mask=tmask[:, None] & jmask[None, :], other=0.0)
+        gate = tl.load(g_ptr + t64 * s_gt + he, mask=tmask, other=0.0)
+        z = (a.to(tl.float32) * gate[:, None]).to(a_ptr.dtype.element_ty)
+        dy = tl.load(dy_ptr + t64[:, None] * s_dyt + offs_n[None, :], mask=tmask[:, None] & nmask[None, :],
+                     other=0.0)
+        acc = tl.dot(tl.trans(dy), z, acc, input_precision=DOT_PRECISION)
+    kk = he.to(tl.int64) * D + j
+    tl.store(out_ptr + split.to(tl.int64) * s_os + kk[None, :] * s_ok + offs_n[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=jmask[None, :] & nmask[:, None])
+
+
+@triton.jit
 def _sum_splits(part_ptr, out_ptr, n, splits, BLOCK: tl.constexpr):
     """out[i] = Σ_s part[s, i] in order s = 0, 1, ... (both contiguous)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -225,6 +331,25 @@ FORWARD_CONFIGS = (
     dict(BT=128, BN=128, BK=128, GROUP_T=8, num_warps=8, num_stages=2),
     dict(BT=64, BN=64, BK=64, GROUP_T=8, num_warps=4, num_stages=3),
 )
+# the row-scale form (_forward_rows_kernel): BK is the K step inside an expert block (at most BD, the
+# padded head dim; HEAD_LOOP steps by BD), a smaller step pads less (D = 76: 80 rows at 16, 96 at 32, 128 at
+# 64 or more)
+FORWARD_ROWS_CONFIGS = (
+    dict(BT=128, BN=128, BK=64, HEAD_LOOP=False, GROUP_T=8, num_warps=8, num_stages=3),
+    dict(BT=128, BN=128, BK=128, HEAD_LOOP=True, GROUP_T=8, num_warps=8, num_stages=2),
+    dict(BT=128, BN=64, BK=128, HEAD_LOOP=True, GROUP_T=8, num_warps=4, num_stages=3),
+    dict(BT=128, BN=128, BK=128, HEAD_LOOP=False, GROUP_T=8, num_warps=8, num_stages=2),
+    dict(BT=128, BN=64, BK=64, HEAD_LOOP=False, GROUP_T=8, num_warps=4, num_stages=4),
+    dict(BT=128, BN=128, BK=32, HEAD_LOOP=False, GROUP_T=8, num_warps=8, num_stages=4),
+    dict(BT=64, BN=128, BK=32, HEAD_LOOP=False, GROUP_T=8, num_warps=4, num_stages=4),
+    dict(BT=128, BN=128, BK=16, HEAD_LOOP=False, GROUP_T=8, num_warps=8, num_stages=5),
+)
+# which forward `forward` and which weight gradient `backward` run by default (the layer's too): "columns"
+# (_forward_kernel, _dweight_kernel) or "rows" (_forward_rows_kernel, _dweight_rows_kernel); both stay until
+# a GPU run shows one to be the faster at the papers' shapes
+FORMS = ("columns", "rows")
+FORWARD_FORM = "columns"
+DWEIGHT_FORM = "columns"
 DA_DW_CONFIGS = (
     dict(BT=64, BN=64, num_warps=4, num_stages=3),
     dict(BT=64, BN=128, num_warps=8, num_stages=3),
@@ -237,6 +362,14 @@ DWEIGHT_CONFIGS = (
     dict(BM=64, BN=128, BT=64, num_warps=4, num_stages=4),
     dict(BM=128, BN=64, BT=64, num_warps=4, num_stages=4),
     dict(BM=128, BN=128, BT=128, num_warps=8, num_stages=3),
+)
+# the row-scale form (_dweight_rows_kernel): BM rows of one expert block (at most BD, the padded head dim)
+DWEIGHT_ROWS_CONFIGS = (
+    dict(BM=128, BN=128, BT=64, num_warps=8, num_stages=3),
+    dict(BM=64, BN=128, BT=64, num_warps=4, num_stages=4),
+    dict(BM=128, BN=64, BT=64, num_warps=4, num_stages=4),
+    dict(BM=128, BN=128, BT=128, num_warps=8, num_stages=3),
+    dict(BM=32, BN=128, BT=128, num_warps=4, num_stages=4),
 )
 DWEIGHT_SPLIT_TILE = 128     # the output tile the split count assumes (the largest BM and BN above)
 DWEIGHT_MIN_SPLIT_TOKENS = 1024  # a split sums at least this many tokens: its partial costs a write and a read
@@ -255,9 +388,13 @@ def _tuned(kernel, configs, key):
 # keyed on the token count's power-of-two bucket (T_BUCKET, which the kernels do not read): one tuning per
 # bucket, not per batch size
 _forward_tuned = _tuned(_forward_kernel, FORWARD_CONFIGS, ["T_BUCKET", "d", "D", "E", "H", "DIV", "DIV_N"])
+_forward_rows_tuned = _tuned(_forward_rows_kernel, FORWARD_ROWS_CONFIGS,
+                             ["T_BUCKET", "d", "D", "E", "H", "DIV", "DIV_N"])
 _da_dw_tuned = _tuned(_da_dw_kernel, DA_DW_CONFIGS,
                       ["T_BUCKET", "d", "D", "E", "DIV", "DIV_N", "STORE_DA", "STORE_DW"])
 _dweight_tuned = _tuned(_dweight_kernel, DWEIGHT_CONFIGS, ["T_BUCKET", "d", "D", "E", "H", "DIV", "DIV_N"])
+_dweight_rows_tuned = _tuned(_dweight_rows_kernel, DWEIGHT_ROWS_CONFIGS,
+                             ["T_BUCKET", "d", "D", "E", "H", "DIV", "DIV_N"])
 
 
 def _launch(tuned, kernel, grid, args, meta, config):
@@ -304,10 +441,12 @@ def _gate_grad(ids: torch.Tensor, dw: torch.Tensor, dtype: torch.dtype) -> torch
     return dg
 
 
-def forward(a: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, *, config=None) -> torch.Tensor:
+def forward(a: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, *, config=None, form=None) -> torch.Tensor:
     """y [T, d] (a's dtype) = Z · W_cat from a [T, H, D] (unit last stride), the gate table w [T, H·E]
-    fp32 (`gate_table`) and weight [H·E, D, d] (a's dtype or fp32). config: one of FORWARD_CONFIGS'
-    kind instead of the autotuned choice."""
+    fp32 (`gate_table`) and weight [H·E, D, d] (a's dtype or fp32). form: "columns" (_forward_kernel) or
+    "rows" (_forward_rows_kernel), default FORWARD_FORM. config: one of FORWARD_CONFIGS' kind
+    (FORWARD_ROWS_CONFIGS' for "rows") instead of the autotuned choice."""
+    form = _form(FORWARD_FORM if form is None else form)
     T, H, D = a.shape
     HE, _, d = weight.shape
     y = C.new_output((T, d), a.dtype, a.device)
@@ -324,8 +463,23 @@ def forward(a: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, *, config=No
 
     def grid(m):
         return (triton.cdiv(T, m["BT"]) * triton.cdiv(d, m["BN"]),)
-    _launch(_forward_tuned, _forward_kernel, grid, args, meta, config)
+    if form == "rows":
+        _launch(_forward_rows_tuned, _forward_rows_kernel, grid, args, meta | dict(BD=_padded_head_dim(D)),
+                config)
+    else:
+        _launch(_forward_tuned, _forward_kernel, grid, args, meta, config)
     return y
+
+
+def _form(form) -> str:
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    return form
+
+
+def _padded_head_dim(D: int) -> int:
+    """BD of the row-scale kernels: D padded to a power of two, at least a dot's 16."""
+    return max(16, C.next_pow2(D))
 
 
 @functools.lru_cache(maxsize=None)
@@ -343,11 +497,13 @@ def dweight_splits(T: int, K: int, d: int, device: torch.device) -> int:
 
 
 def backward(dy, a, ids, w, weight, gates_dtype, need_a: bool, need_gates: bool, need_weight: bool, *,
-             configs=None, splits=None):
+             configs=None, splits=None, form=None):
     """(da, dgates, dweight), None where not needed: da [T, H, D] in a's dtype, dgates [T, S] in
     gates_dtype, dweight in weight's dtype. dy [T, d]; w the forward's gate table. configs: explicit
-    {"da_dw": ..., "dweight": ...} instead of the autotuned ones; splits: the token ranges of dweight's
-    sum (default `dweight_splits`)."""
+    {"da_dw": ..., "dweight": ...} instead of the autotuned ones (DWEIGHT_ROWS_CONFIGS' kind for form
+    "rows"); splits: the token ranges of dweight's sum (default `dweight_splits`); form: dweight's kernel,
+    "columns" (_dweight_kernel) or "rows" (_dweight_rows_kernel), default DWEIGHT_FORM."""
+    form = _form(DWEIGHT_FORM if form is None else form)
     T, H, D = a.shape
     HE, _, d = weight.shape
     E = HE // H
@@ -395,10 +551,17 @@ def backward(dy, a, ids, w, weight, gates_dtype, need_a: bool, need_gates: bool,
         args = (dy, a, w, out, T, C.next_pow2(T), d, t_chunk, s_dyt, s_at, s_ah, w.stride(0), s_os, out.stride(-2))
         meta = dict(D=D, E=E, H=H, DIV=div, DIV_N=_pow2_divisor(d, s_dyt, out.stride(-2)),
                     DOT_PRECISION=precision)
+        if form == "rows":
+            bd = _padded_head_dim(D)
 
-        def grid(m):
-            return (triton.cdiv(K, m["BM"]), triton.cdiv(d, m["BN"]), splits)
-        _launch(_dweight_tuned, _dweight_kernel, grid, args, meta, configs.get("dweight"))
+            def grid(m):
+                return (HE * triton.cdiv(D, min(m["BM"], bd)), triton.cdiv(d, m["BN"]), splits)
+            _launch(_dweight_rows_tuned, _dweight_rows_kernel, grid, args, meta | dict(BD=bd),
+                    configs.get("dweight"))
+        else:
+            def grid(m):
+                return (triton.cdiv(K, m["BM"]), triton.cdiv(d, m["BN"]), splits)
+            _launch(_dweight_tuned, _dweight_kernel, grid, args, meta, configs.get("dweight"))
         if splits > 1:
             block = 1024
             _sum_splits[(triton.cdiv(K * d, block),)](out, dweight, K * d, splits, BLOCK=block, num_warps=4)
