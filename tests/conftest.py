@@ -98,3 +98,18 @@ def dense_causal(q, k, v, q_offset=None, scale=None):
     t = torch.arange(Nq, device=q.device)[:, None] + off
     logits = logits.masked_fill(torch.arange(Nk, device=q.device)[None, :] > t, float("-inf"))
     return torch.softmax(logits, -1) @ v, torch.logsumexp(logits, -1)
+
+
+def cuda_graph_capture(step):
+    """(graph, outputs): `step` warmed up on a side stream (compiles, autotunes, allocates), then captured
+    once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

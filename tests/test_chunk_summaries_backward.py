@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import DEVICE, dtypes_here, kernel_backends
+from conftest import DEVICE, cuda_graph_capture, dtypes_here, kernel_backends
 import flashswitch
 from flashswitch.autotune import space
 from flashswitch.ops import chunk_summaries as op
@@ -401,15 +401,7 @@ def test_cuda_graph_fwd_bwd(backend):
                 + (torch.where(torch.isfinite(lse), lse, 0) * g[2]).sum())
         return torch.autograd.grad(loss, list(leaves.values()))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = cuda_graph_capture(step)
     new = random_problem(2, 4, 1000, 64, 16, dtype=torch.bfloat16, device=DEVICE, omega="head", key_weight=True,
                          seed=9)
     with torch.no_grad():

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import DEVICE, dtypes_here, kernel_backends
+from conftest import DEVICE, cuda_graph_capture, dtypes_here, kernel_backends
 from flashswitch.autotune import space
 from flashswitch.kernels_triton.eva_attention_bwd import _kv_walk_range
 from flashswitch.ops import eva_attention as op
@@ -537,7 +537,7 @@ def test_cuda_graph_forward_backward(backend):
         o, lse = eva_attention(*leaves[:5], **rest, summary_bias=leaves[5], return_lse=True, backend=backend)
         return torch.autograd.grad((o * do).sum() + (lse * dlse).sum(), leaves)
 
-    graph, out = _capture(step)
+    graph, out = cuda_graph_capture(step)
     p2 = random_problem(1, 4, 2, None, 257, 64, 16, 64, window="block", summary_bias="tensor",
                         dtype=torch.bfloat16, device=DEVICE, seed=13)
     ins2, b2, _ = _split(p2)
@@ -586,24 +586,10 @@ def test_large_16bit_split_loops(bwd_backend, dtype, D, window, C, W, splits):
         assert torch.equal(x, y), name
 
 
-def _capture(step):
-    """(graph, outputs): `step` warmed up on a side stream, then captured once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out
-
-
 def _graph_ms(step, reps=5):
     """GPU time of `step` replayed from a CUDA graph: the least of `reps` replays (the host's time per
     call, which other test processes inflate, is not part of it)."""
-    graph, _ = _capture(step)
+    graph, _ = cuda_graph_capture(step)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

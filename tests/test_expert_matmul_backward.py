@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import DEVICE, dtypes_here, kernel_backends
+from conftest import DEVICE, cuda_graph_capture, dtypes_here, kernel_backends
 from flashswitch.kernels_triton import expert_matmul_bwd as K
 from flashswitch.ops import expert_matmul as op
 from flashswitch.ops.expert_matmul import expert_matmul, route
@@ -376,15 +376,7 @@ def test_cuda_graph_fwd_bwd_step(backend, G_in, G_out):
                           out_groups=G_out, backend=backend)
         y.backward(dy)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = cuda_graph_capture(step)
     q = _gpu_problem(G_in, G_out, seed=1)
     with torch.no_grad():
         for k, t in leaves.items():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import DEVICE, dtypes_here, kernel_backends
+from conftest import DEVICE, cuda_graph_capture, dtypes_here, kernel_backends
 from flashswitch.backends import available as backend_available
 from flashswitch.ops import expert_matmul as op
 from flashswitch.ops.expert_matmul import Route, expert_matmul, route
@@ -433,15 +433,7 @@ def test_cuda_graph_capture(backend, G_out, det):
     def step():
         return _call(backend, p, deterministic=det, check=False)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = step()
+    graph, y = cuda_graph_capture(step)
     q = _gpu_problem(G_out, seed=1)  # new routing and inputs, copied into the captured tensors
     for name in ("x", "expert_idx", "weight", "gates"):
         p[name].copy_(q[name])

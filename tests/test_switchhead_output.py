@@ -10,7 +10,7 @@ conftest), so a tile left unwritten fails."""
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, cuda_graph_capture
 from flashswitch.kernels_triton import switchhead_output as K
 from flashswitch.nn import SwitchHeadAttention
 from flashswitch.nn import switchhead as SH
@@ -415,15 +415,7 @@ def test_cuda_graph_capture():
     def step():
         y = K.switchhead_output(a, p["ids"], gates, weight, 4, check=False)
         return (y, *torch.autograd.grad(y, [a, gates, weight], p["dy"]))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = cuda_graph_capture(step)
     with torch.no_grad():
         a.copy_(torch.randn_like(a))
         gates.copy_(torch.rand_like(gates))

@@ -70,6 +70,18 @@ def _z_tile(a_ptr, g_ptr, t64, tmask, k0, s_at, s_ah, s_gt,
 
 
 @triton.jit
+def _grouped_tile(T, d, BT: tl.constexpr, BN: tl.constexpr, GROUP_T: tl.constexpr):
+    """(token tile, column tile) of this program: GROUP_T token tiles side by side sweep the column tiles
+    together, so their W_cat columns and a rows are read from L2."""
+    pid = tl.program_id(0)
+    n_t = tl.cdiv(T, BT)
+    width = GROUP_T * tl.cdiv(d, BN)
+    first_t = (pid // width) * GROUP_T
+    rows = tl.minimum(n_t - first_t, GROUP_T)
+    return first_t + (pid % width) % rows, (pid % width) // rows
+
+
+@triton.jit
 def _forward_kernel(a_ptr, g_ptr, w_ptr, y_ptr, T, T_BUCKET, d, s_at, s_ah, s_gt, s_we, s_wk, s_wn, s_yt,
                     D: tl.constexpr, E: tl.constexpr, H: tl.constexpr, DIV: tl.constexpr, DIV_N: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -77,15 +89,7 @@ def _forward_kernel(a_ptr, g_ptr, w_ptr, y_ptr, T, T_BUCKET, d, s_at, s_ah, s_gt
     """y[t tile, n tile] = Σ over K blocks of Z[t tile, K block] · W_cat[K block, n tile]."""
     s_at, s_ah = _aligned(s_at, DIV), _aligned(s_ah, DIV)
     d, s_we, s_wk, s_yt = _aligned(d, DIV_N), _aligned(s_we, DIV_N), _aligned(s_wk, DIV_N), _aligned(s_yt, DIV_N)
-    # GROUP_T token tiles side by side sweep the column tiles together: their W_cat columns and a rows
-    # are read from L2
-    pid = tl.program_id(0)
-    n_t = tl.cdiv(T, BT)
-    width = GROUP_T * tl.cdiv(d, BN)
-    first_t = (pid // width) * GROUP_T
-    rows = tl.minimum(n_t - first_t, GROUP_T)
-    pid_t = first_t + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_t, pid_n = _grouped_tile(T, d, BT, BN, GROUP_T)
 
     offs_t = pid_t * BT + tl.arange(0, BT)
     tmask = offs_t < T
@@ -118,13 +122,7 @@ def _forward_rows_kernel(a_ptr, g_ptr, w_ptr, y_ptr, T, T_BUCKET, d, s_at, s_ah,
     otherwise one flat loop over (expert block, K step of min(BK, BD)), a's tile reloaded per step."""
     s_at, s_ah = _aligned(s_at, DIV), _aligned(s_ah, DIV)
     d, s_we, s_wk, s_yt = _aligned(d, DIV_N), _aligned(s_we, DIV_N), _aligned(s_wk, DIV_N), _aligned(s_yt, DIV_N)
-    pid = tl.program_id(0)  # the token-tile grouping of _forward_kernel
-    n_t = tl.cdiv(T, BT)
-    width = GROUP_T * tl.cdiv(d, BN)
-    first_t = (pid // width) * GROUP_T
-    rows = tl.minimum(n_t - first_t, GROUP_T)
-    pid_t = first_t + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_t, pid_n = _grouped_tile(T, d, BT, BN, GROUP_T)
 
     offs_t = pid_t * BT + tl.arange(0, BT)
     tmask = offs_t < T
