@@ -168,12 +168,11 @@ def _eva_triton_fits(f: dict, bm: int, bn: int, w: int, stages: int, smem_kb: in
 
 
 def _eva_gluon_fits(f: dict, bn: int, stages: int) -> bool:
-    """The Gluon kernel's shared memory: a 128-row q tile, `stages` k tiles and stages + 2 v tiles
-    (two extra for the sanitized v of masked blocks), plus the compiler's 16 KB scratch for that
-    sanitizing step's layout conversion, within Hopper's 227 KB."""
+    """The Gluon kernel's shared memory: a 128-row q tile and `stages` k and v tiles, plus the
+    compiler's 16 KB scratch for the layout conversions, within Hopper's 227 KB."""
     bd = max(16, next_pow2(f["D"]))
     elt = 4 if f["dtype"] == "fp32" else 2
-    return (128 * bd + (2 * stages + 2) * bn * bd) * elt + 16 * 1024 <= 227 * 1024
+    return (128 * bd + 2 * stages * bn * bd) * elt + 16 * 1024 <= 227 * 1024
 
 
 def _eva_triton_config_fits(f: dict, cfg: dict) -> bool:

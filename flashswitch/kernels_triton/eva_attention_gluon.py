@@ -17,11 +17,15 @@ emit on sm_90:
 k, v and the summaries are read through [B * Hkv, rows, D] descriptors whose rows stop at the last
 key and the last summary any query sees: a block reading past them gets zeros, and the rows it reads
 below that but past its limit (keys and summaries of later queries) are masked out of the logits,
-so p = 0 there. In a masked block each consumer warpgroup first copies v to a slot of its own with
-its inf / NaN entries zeroed and reads p.v from there, making NaN only the rows whose p reaches such
-a key (`_isolate_nonfinite`): a non-finite input reaches only the queries that see it. Fast path only: fp16/bf16, contiguous q/k/v/summaries, D a
-power of two in [16, 128], no PACK_GQA, no key splits, no tensor bias, scale >= 0 (`supports`);
-other problems take the Triton kernel.
+so p = 0 there. p = 0 times an inf / NaN of v is NaN, so the walk would spread a non-finite value
+to rows that do not see it. The walk does not check for that: a warpgroup whose accumulator ends
+non-finite (any non-finite v of a walked block makes every one of its rows so) walks its tile again,
+alone, loading each block itself into a ring stage of its own once both warpgroups are done with the
+ring, and zeroing v's inf / NaN in the masked blocks (`_isolate_nonfinite`). Each block's
+arithmetic is that of the first walk, so the rows that do not see such a value are bitwise those of
+the call with that value finite. Fast path only: fp16/bf16, contiguous q/k/v/summaries, D a power of
+two in [16, 128], no PACK_GQA, no key splits, no tensor bias, scale >= 0 (`supports`); other problems
+take the Triton kernel.
 """
 from __future__ import annotations
 
@@ -83,57 +87,64 @@ def _softmax_block(s, m_i, l_i, e, valid, nb_s, nb_s_full, e_a, e_b, st_min, c_h
 
 
 @gluon.jit
-def _isolate_nonfinite(v_smem, stage, fix, p, o, v_layout: gl.constexpr, col_s: gl.constexpr, row_o: gl.constexpr,
+def _isolate_nonfinite(v_tile, p, o, v_layout: gl.constexpr, col_s: gl.constexpr, row_o: gl.constexpr,
                        BLOCK_N: gl.constexpr, D: gl.constexpr):
-    """A masked block's p.v without 0 * inf: p = 0 on the keys a row cannot see, and p.v would turn
-    an inf / NaN of v into NaN in that row. Copies block `stage`'s v into this warpgroup's own slot
-    `fix` with its non-finite entries zeroed (the ring's stage is shared with the other warpgroup and
-    cannot be changed in place) and makes NaN the rows of o whose p reaches such a key. Returns (the
-    slot p.v reads, o)."""
-    vt = v_smem.index(stage).reshape([BLOCK_N, D]).load(v_layout)
+    """A masked block's p.v without 0 * inf: zeroes the inf / NaN entries of the block's v in place
+    (`v_tile`, a stage this warpgroup alone reads) and makes NaN the rows of o whose p reaches such a
+    key. Returns o."""
+    vt = v_tile.load(v_layout)
     bits = vt.to(gl.int16, bitcast=True)
-    exp_mask: gl.constexpr = 0x7C00 if v_smem.dtype == gl.float16 else 0x7F80   # all-ones exponent: inf / NaN
+    exp_mask: gl.constexpr = 0x7C00 if v_tile.dtype == gl.float16 else 0x7F80   # all-ones exponent: inf / NaN
     fin = (bits & exp_mask) != exp_mask
     bad = gl.convert_layout(gl.max(gl.where(fin, 0, 1), axis=1), col_s)
     hit = gl.max(gl.where((p > 0.0) & (bad[None, :] != 0), 1, 0), axis=1)
-    v_smem.index(fix).reshape([BLOCK_N, D]).store(gl.where(fin, vt, 0.0))
+    v_tile.store(gl.where(fin, vt, 0.0))
     fence_async_shared()
-    o = gl.where(gl.convert_layout(hit, row_o)[:, None] != 0, float("nan"), o)
-    return stage * 0 + fix, o
+    return gl.where(gl.convert_layout(hit, row_o)[:, None] != 0, float("nan"), o)
+
+
+@gluon.jit
+def _load_block(k_desc, v_desc, ks_desc, vs_desc, k_dst, v_dst, bar, bh, e, nb_s, st_min,
+                BLOCK_N: gl.constexpr, BLOCK_BYTES: gl.constexpr):
+    """TMA of key block e (summary blocks [0, nb_s), then exact blocks from st_min) into k_dst, v_dst,
+    completing on `bar`."""
+    mbarrier.expect(bar, 2 * BLOCK_BYTES)
+    if e < nb_s:
+        row = e * BLOCK_N
+        tma.async_copy_global_to_shared(ks_desc, [bh, row, 0], bar, k_dst)
+        tma.async_copy_global_to_shared(vs_desc, [bh, row, 0], bar, v_dst)
+    else:
+        row = st_min + (e - nb_s) * BLOCK_N
+        tma.async_copy_global_to_shared(k_desc, [bh, row, 0], bar, k_dst)
+        tma.async_copy_global_to_shared(v_desc, [bh, row, 0], bar, v_dst)
 
 
 @gluon.jit
 def _producer(k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, bh, nb, nb_s, st_min,
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_BYTES: gl.constexpr):
-    """TMA of key blocks 0..nb-1 (summary blocks [0, nb_s), then exact blocks from st_min) into the
-    ring, each once its stage is empty (a fresh barrier passes the first round's wait on phase 1)."""
+    """TMA of key blocks 0..nb-1 into the ring, each once its stage is empty (a fresh barrier passes
+    the first round's wait on phase 1)."""
     for e in range(nb):
         stage = e % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((e // NUM_STAGES) & 1) ^ 1)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, 2 * BLOCK_BYTES)
-        if e < nb_s:
-            row = e * BLOCK_N
-            tma.async_copy_global_to_shared(ks_desc, [bh, row, 0], bar, k_smem.index(stage))
-            tma.async_copy_global_to_shared(vs_desc, [bh, row, 0], bar, v_smem.index(stage))
-        else:
-            row = st_min + (e - nb_s) * BLOCK_N
-            tma.async_copy_global_to_shared(k_desc, [bh, row, 0], bar, k_smem.index(stage))
-            tma.async_copy_global_to_shared(v_desc, [bh, row, 0], bar, v_smem.index(stage))
+        _load_block(k_desc, v_desc, ks_desc, vs_desc, k_smem.index(stage), v_smem.index(stage), ready.index(stage),
+                    bh, e, nb_s, st_min, BLOCK_N, BLOCK_BYTES)
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
+def _consumer(q_smem, k_smem, v_smem, ready, empty, done, redo, k_desc, v_desc, ks_desc, vs_desc, bh,
+              o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
               qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
               stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
               SLIDING: gl.constexpr, LOG_COUNT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, WG: gl.constexpr):
+              NUM_STAGES: gl.constexpr, BLOCK_BYTES: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG (rows WG * 64 .. + 64 of the tile, its own partition, so that the two
     drift apart and one's softmax runs under the other's wgmma): block 0's logits and softmax, then
     per block e (FlashAttention-3's order) issue q.k of e + 1; rescale o; issue o += p[e] v[e]; wait
     for q.k; softmax of e + 1 while p.v runs; wait for p.v and release block e's stage; the last block
     takes p.v only. No wgmma is in flight across the loop's back edge, so no accumulator register is
-    rewritten while one runs (ptxas would serialize every wgmma)."""
+    rewritten while one runs (ptxas would serialize every wgmma). An accumulator that ends non-finite
+    walks again (`_walk_isolated`)."""
     BM: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -151,7 +162,6 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     tpr: gl.constexpr = D // 8 if D // 8 < 32 else 32       # 16-byte pieces, row-major (also o's store)
     v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpr, tpr], [4, 1], [1, 0])
-    fix: gl.constexpr = NUM_STAGES + WG                      # this warpgroup's slot for a sanitized v
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)
     s_zero = gl.zeros([BM, BLOCK_N], gl.float32, layout=s_layout)
 
@@ -171,10 +181,7 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
         s_acc = warpgroup_mma(q_smem, k_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
-        slot = stage
-        if not full:
-            slot, o = _isolate_nonfinite(v_smem, stage, fix, p, o, v_layout, col_s, row_o, BLOCK_N, D)
-        o_acc = warpgroup_mma(p16, v_smem.index(slot).reshape([BLOCK_N, D]), o, is_async=True)
+        o_acc = warpgroup_mma(p16, v_smem.index(stage).reshape([BLOCK_N, D]), o, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_acc])
         p, alpha, m_i, l_i, full = _softmax_block(s, m_i, l_i, e + 1, True, nb_s, nb_s_full, e_a, e_b, st_min,
                                                   c_hi, t_max, st_row, t_row, sc_row, offs_n, Nk, C, qk_scale,
@@ -185,11 +192,31 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_firs
     # the last block: p.v only
     last = gl.maximum(nb - 1, 0)
     o = o * gl.convert_layout(alpha, row_o)[:, None]
-    slot = last % NUM_STAGES
-    if not full:
-        slot, o = _isolate_nonfinite(v_smem, slot, fix, p, o, v_layout, col_s, row_o, BLOCK_N, D)
-    o_acc = warpgroup_mma(p16, v_smem.index(slot).reshape([BLOCK_N, D]), o, is_async=True)
+    o_acc = warpgroup_mma(p16, v_smem.index(last % NUM_STAGES).reshape([BLOCK_N, D]), o, is_async=True)
     o = warpgroup_mma_wait(0, deps=[o_acc])
+    mbarrier.arrive(done)  # this warpgroup is done with the ring (count 2)
+
+    # o - o is 0 for a finite o, NaN for inf / NaN; one warpgroup-wide verdict
+    dirty = gl.max(gl.max(gl.where(o - o == 0.0, 0, 1), axis=1), axis=0)
+    if dirty != 0:
+        mbarrier.wait(done, 0)  # both warpgroups are done with the ring: stage WG is this one's now
+        k_own = k_smem.index(WG)
+        v_own = v_smem.index(WG)
+        m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([BM], gl.float32, layout=row_s)
+        o = gl.zeros([BM, D], gl.float32, layout=o_layout)
+        for e in range(0, nb):
+            _load_block(k_desc, v_desc, ks_desc, vs_desc, k_own, v_own, redo, bh, e, nb_s, st_min, BLOCK_N,
+                        BLOCK_BYTES)
+            mbarrier.wait(redo, e & 1)
+            s = warpgroup_mma(q_smem, k_own.reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False)
+            p, alpha, m_i, l_i, full = _softmax_block(s, m_i, l_i, e, True, nb_s, nb_s_full, e_a, e_b, st_min,
+                                                      c_hi, t_max, st_row, t_row, sc_row, offs_n, Nk, C, qk_scale,
+                                                      LOG_COUNT, BLOCK_N)
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
+            if not full:
+                o = _isolate_nonfinite(v_own.reshape([BLOCK_N, D]), p, o, v_layout, col_s, row_o, BLOCK_N, D)
+            o = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_own.reshape([BLOCK_N, D]), o)
 
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
@@ -238,11 +265,16 @@ def _eva_fwd_gluon(
 
     q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, D], k_desc.layout)
-    # v: the ring's stages, then one slot per consumer warpgroup for a masked block's sanitized copy
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES + 2, 1, BLOCK_N, D], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, D], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # done: both consumer warpgroups are through the ring; redo: a second walk's own loads, per warpgroup
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    redo = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(done, count=2)
+    mbarrier.init(redo.index(0), count=1)
+    mbarrier.init(redo.index(1), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
@@ -252,14 +284,16 @@ def _eva_fwd_gluon(
     mbarrier.wait(q_bar, 0)
 
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
+        (_consumer, (q_smem, k_smem, v_smem, ready, empty, done, redo.index(0), k_desc, v_desc, ks_desc, vs_desc,
+                     b * Hkv + hkv, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
                      qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                      stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, 0)),
-        (_consumer, (q_smem, k_smem, v_smem, ready, empty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
+                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, BLOCK_BYTES, 0)),
+        (_consumer, (q_smem, k_smem, v_smem, ready, empty, done, redo.index(1), k_desc, v_desc, ks_desc, vs_desc,
+                     b * Hkv + hkv, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
                      qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                      stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, 1)),
+                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, BLOCK_BYTES, 1)),
         (_producer, (k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, b * Hkv + hkv, nb, nb_s,
                      st_min, BLOCK_N, NUM_STAGES, BLOCK_BYTES)),
     ], [4, 1], [240, 24])
@@ -268,6 +302,9 @@ def _eva_fwd_gluon(
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
     mbarrier.invalidate(q_bar)
+    mbarrier.invalidate(done)
+    mbarrier.invalidate(redo.index(0))
+    mbarrier.invalidate(redo.index(1))
 
 
 # ---------------------------------------------------------------- launcher
