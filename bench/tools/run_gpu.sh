@@ -11,6 +11,9 @@
 # stage suite_start launches it detached (setsid; it outlives the command, writing to $SUITE_DIR), and
 # stage suite_wait waits up to WAIT_LIMIT seconds (default 540) and returns its log so far; call it again
 # until the log ends with "== suite: rc=...".
+# Stage explore (not in the default list): the hypothesis tests in the explore profile, one pytest per seed
+# of SEEDS (default "1 2 3 4 5"), the seeds spread over the visible GPUs (one run per GPU at a time, the
+# CPU cores shared out), EXPLORE_LIMIT seconds per seed (default 900); logs explore_seed<N>.log.
 # Optional stage host (bench/tools/host_time.py: host us per call vs kernel us; HOST_ARGS=--profile); BENCH_K
 # selects bench cases (pytest -k, e.g. BENCH_K='not cupy'). Optional end-to-end stages: e2e
 # (bench/e2e/e2e_training.py $TRAIN_ARGS, then bench/e2e/e2e_generation.py $GEN_ARGS; E2E_LIMIT per script) and
@@ -92,6 +95,17 @@ if stage suite_wait; then
   if [ ! -f "$SUITE_DIR/rc" ]; then  # later stages would tune and time beside it: call suite_wait again
     echo "== skipping the later stages while the suite runs"; exit $status
   fi
+fi
+if stage explore; then  # status from the background runs: one exit code per GPU's sequence of seeds
+  ngpu=$(nvidia-smi -L | wc -l); seeds=(${SEEDS:-1 2 3 4 5}); workers=$(( $(nproc) / ngpu )); pids=()
+  for ((g = 0; g < ngpu; g++)); do
+    (for ((i = g; i < ${#seeds[@]}; i += ngpu)); do
+       CUDA_VISIBLE_DEVICES=$g HYPOTHESIS_PROFILE=explore STAGE_LIMIT=${EXPLORE_LIMIT:-900} run "explore_seed${seeds[i]}" \
+         $PY -m pytest tests -m hypothesis --hypothesis-seed="${seeds[i]}" -n "$workers" -q -p no:cacheprovider -rfE
+     done; exit $status) &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 fi
 if stage test; then
   for f in ${TESTS:-tests/test_*.py}; do
