@@ -71,14 +71,21 @@ def _z_tile(a_ptr, g_ptr, t64, tmask, k0, s_at, s_ah, s_gt,
 
 @triton.jit
 def _grouped_tile(T, d, BT: tl.constexpr, BN: tl.constexpr, GROUP_T: tl.constexpr):
-    """(token tile, column tile) of this program: GROUP_T token tiles side by side sweep the column tiles
-    together, so their W_cat columns and a rows are read from L2."""
+    """(t64, tmask, offs_n, nmask): the tokens and columns of this program's output tile. GROUP_T token
+    tiles side by side sweep the column tiles together, so their W_cat columns and a rows are read from
+    L2."""
     pid = tl.program_id(0)
     n_t = tl.cdiv(T, BT)
     width = GROUP_T * tl.cdiv(d, BN)
     first_t = (pid // width) * GROUP_T
     rows = tl.minimum(n_t - first_t, GROUP_T)
-    return first_t + (pid % width) % rows, (pid % width) // rows
+    pid_t = first_t + (pid % width) % rows
+    pid_n = (pid % width) // rows
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    tmask = offs_t < T
+    t64 = offs_t.to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    return t64, tmask, offs_n, offs_n < d
 
 
 @triton.jit
@@ -89,13 +96,7 @@ def _forward_kernel(a_ptr, g_ptr, w_ptr, y_ptr, T, T_BUCKET, d, s_at, s_ah, s_gt
     """y[t tile, n tile] = Σ over K blocks of Z[t tile, K block] · W_cat[K block, n tile]."""
     s_at, s_ah = _aligned(s_at, DIV), _aligned(s_ah, DIV)
     d, s_we, s_wk, s_yt = _aligned(d, DIV_N), _aligned(s_we, DIV_N), _aligned(s_wk, DIV_N), _aligned(s_yt, DIV_N)
-    pid_t, pid_n = _grouped_tile(T, d, BT, BN, GROUP_T)
-
-    offs_t = pid_t * BT + tl.arange(0, BT)
-    tmask = offs_t < T
-    t64 = offs_t.to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    nmask = offs_n < d
+    t64, tmask, offs_n, nmask = _grouped_tile(T, d, BT, BN, GROUP_T)
     acc = tl.zeros((BT, BN), dtype=tl.float32)
     for k0 in range(0, H * E * D, BK):
         z = _z_tile(a_ptr, g_ptr, t64, tmask, k0, s_at, s_ah, s_gt, D, E, H, DIV, BT, BK)
@@ -122,13 +123,7 @@ def _forward_rows_kernel(a_ptr, g_ptr, w_ptr, y_ptr, T, T_BUCKET, d, s_at, s_ah,
     otherwise one flat loop over (expert block, K step of min(BK, BD)), a's tile reloaded per step."""
     s_at, s_ah = _aligned(s_at, DIV), _aligned(s_ah, DIV)
     d, s_we, s_wk, s_yt = _aligned(d, DIV_N), _aligned(s_we, DIV_N), _aligned(s_wk, DIV_N), _aligned(s_yt, DIV_N)
-    pid_t, pid_n = _grouped_tile(T, d, BT, BN, GROUP_T)
-
-    offs_t = pid_t * BT + tl.arange(0, BT)
-    tmask = offs_t < T
-    t64 = offs_t.to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    nmask = offs_n < d
+    t64, tmask, offs_n, nmask = _grouped_tile(T, d, BT, BN, GROUP_T)
     a_rows = a_ptr + t64[:, None] * s_at
     g_rows = g_ptr + t64 * s_gt
     acc = tl.zeros((BT, BN), dtype=tl.float32)
