@@ -144,7 +144,7 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, done, redo, k_desc, v_desc, 
     for q.k; softmax of e + 1 while p.v runs; wait for p.v and release block e's stage; the last block
     takes p.v only. No wgmma is in flight across the loop's back edge, so no accumulator register is
     rewritten while one runs (ptxas would serialize every wgmma). An accumulator that ends non-finite
-    walks again (`_walk_isolated`)."""
+    walks its tile again with the isolation (see the module docstring)."""
     BM: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
