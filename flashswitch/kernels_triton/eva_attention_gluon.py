@@ -20,10 +20,12 @@ below that but past its limit (keys and summaries of later queries) are masked o
 so p = 0 there. p = 0 times an inf / NaN of v is NaN, so the walk would spread a non-finite value
 to rows that do not see it. The walk does not check for that: a warpgroup whose accumulator ends
 non-finite (any non-finite v of a walked block makes every one of its rows so) walks its tile again,
-alone, loading each block itself into a ring stage of its own once both warpgroups are done with the
-ring, and zeroing v's inf / NaN in the masked blocks (`_isolate_nonfinite`). Each block's
-arithmetic is that of the first walk, so the rows that do not see such a value are bitwise those of
-the call with that value finite. Fast path only: fp16/bf16, contiguous q/k/v/summaries, D a power of
+alone, once both warpgroups are through the ring: the producer reloads each block into a ring stage
+of that warpgroup's own, which zeroes v's inf / NaN in place in the masked blocks
+(`_isolate_nonfinite`). Each block's arithmetic is that of the first walk, so the rows that do not
+see such a value are bitwise those of the call with that value finite. (The producer, not the
+consumer, issues these loads: TMA descriptors in a consumer partition stay live through its main loop
+and made ptxas spill there.) Fast path only: fp16/bf16, contiguous q/k/v/summaries, D a power of
 two in [16, 128], no PACK_GQA, no key splits, no tensor bias, scale >= 0 (`supports`); other problems
 take the Triton kernel.
 """
@@ -41,7 +43,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashswitch._common import triton_interpret
 from flashswitch.kernels_triton.eva_tiles import _qk_scale, _start, _tile_blocks, _window_start
 
-BLOCK_M = gl.constexpr(128)  # rows per program: two consumer warpgroups of 64 rows
+BLOCK_M = gl.constexpr(128)
+# a barrier of the calling warps (in a warp_specialize partition, of that partition's warps only):
+# gl.barrier from Triton 3.7, gl.thread_barrier before
+_warps_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # rows per program: two consumer warpgroups of 64 rows
 
 
 @gluon.jit
@@ -120,24 +125,35 @@ def _load_block(k_desc, v_desc, ks_desc, vs_desc, k_dst, v_dst, bar, bh, e, nb_s
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, bh, nb, nb_s, st_min,
-              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_BYTES: gl.constexpr):
+def _producer(k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, done, flags, rready, rempty, bh, nb,
+              nb_s, st_min, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_BYTES: gl.constexpr):
     """TMA of key blocks 0..nb-1 into the ring, each once its stage is empty (a fresh barrier passes
-    the first round's wait on phase 1)."""
+    the first round's wait on phase 1). Then, once both consumers are through the ring, the blocks
+    again for each consumer whose accumulator ended non-finite (its flags), into ring stage WG."""
     for e in range(nb):
         stage = e % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((e // NUM_STAGES) & 1) ^ 1)
         _load_block(k_desc, v_desc, ks_desc, vs_desc, k_smem.index(stage), v_smem.index(stage), ready.index(stage),
                     bh, e, nb_s, st_min, BLOCK_N, BLOCK_BYTES)
+    mbarrier.wait(done, 0)
+    flag_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+    bad0 = gl.max(flags.index(0).load(flag_layout), axis=0)             # per consumer warpgroup
+    bad1 = gl.max(flags.index(1).load(flag_layout), axis=0)
+    if bad0 + bad1 != 0:
+        for e in range(nb):
+            for w in gl.static_range(2):
+                if gl.where(w == 0, bad0, bad1) != 0:
+                    mbarrier.wait(rempty.index(w), (e & 1) ^ 1)
+                    _load_block(k_desc, v_desc, ks_desc, vs_desc, k_smem.index(w), v_smem.index(w), rready.index(w),
+                                bh, e, nb_s, st_min, BLOCK_N, BLOCK_BYTES)
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, ready, empty, done, redo, k_desc, v_desc, ks_desc, vs_desc, bh,
-              o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
+def _consumer(q_smem, k_smem, v_smem, ready, empty, done, flags, rready, rempty, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
               qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
               stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
               SLIDING: gl.constexpr, LOG_COUNT: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, BLOCK_BYTES: gl.constexpr, WG: gl.constexpr):
+              NUM_STAGES: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG (rows WG * 64 .. + 64 of the tile, its own partition, so that the two
     drift apart and one's softmax runs under the other's wgmma): block 0's logits and softmax, then
     per block e (FlashAttention-3's order) issue q.k of e + 1; rescale o; issue o += p[e] v[e]; wait
@@ -194,29 +210,29 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, done, redo, k_desc, v_desc, 
     o = o * gl.convert_layout(alpha, row_o)[:, None]
     o_acc = warpgroup_mma(p16, v_smem.index(last % NUM_STAGES).reshape([BLOCK_N, D]), o, is_async=True)
     o = warpgroup_mma_wait(0, deps=[o_acc])
-    mbarrier.arrive(done)  # this warpgroup is done with the ring (count 2)
-
-    # o - o is 0 for a finite o, NaN for inf / NaN; one warpgroup-wide verdict
-    dirty = gl.max(gl.max(gl.where(o - o == 0.0, 0, 1), axis=1), axis=0)
-    if dirty != 0:
-        mbarrier.wait(done, 0)  # both warpgroups are done with the ring: stage WG is this one's now
-        k_own = k_smem.index(WG)
-        v_own = v_smem.index(WG)
+    # o - o is 0 for a finite o, NaN for inf / NaN: each row's flag, for the producer to read once
+    # both warpgroups are through the ring (count 2)
+    row_bad = gl.max(gl.where(o - o == 0.0, 0, 1), axis=1)
+    flags.index(WG).store(row_bad)
+    _warps_barrier()  # every row's flag is in shared memory before the arrive
+    mbarrier.arrive(done)
+    if gl.max(row_bad, axis=0) != 0:
+        k_own = k_smem.index(WG).reshape([BLOCK_N, D])
+        v_own = v_smem.index(WG).reshape([BLOCK_N, D])
         m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([BM], gl.float32, layout=row_s)
         o = gl.zeros([BM, D], gl.float32, layout=o_layout)
         for e in range(0, nb):
-            _load_block(k_desc, v_desc, ks_desc, vs_desc, k_own, v_own, redo, bh, e, nb_s, st_min, BLOCK_N,
-                        BLOCK_BYTES)
-            mbarrier.wait(redo, e & 1)
-            s = warpgroup_mma(q_smem, k_own.reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False)
+            mbarrier.wait(rready, e & 1)
+            s = warpgroup_mma(q_smem, k_own.permute((1, 0)), s_zero, use_acc=False)
             p, alpha, m_i, l_i, full = _softmax_block(s, m_i, l_i, e, True, nb_s, nb_s_full, e_a, e_b, st_min,
                                                       c_hi, t_max, st_row, t_row, sc_row, offs_n, Nk, C, qk_scale,
                                                       LOG_COUNT, BLOCK_N)
             o = o * gl.convert_layout(alpha, row_o)[:, None]
             if not full:
-                o = _isolate_nonfinite(v_own.reshape([BLOCK_N, D]), p, o, v_layout, col_s, row_o, BLOCK_N, D)
-            o = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_own.reshape([BLOCK_N, D]), o)
+                o = _isolate_nonfinite(v_own, p, o, v_layout, col_s, row_o, BLOCK_N, D)
+            o = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_own, o)
+            mbarrier.arrive(rempty)
 
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
@@ -269,12 +285,16 @@ def _eva_fwd_gluon(
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    # done: both consumer warpgroups are through the ring; redo: a second walk's own loads, per warpgroup
+    # done: both consumer warpgroups are through the ring, their rows' non-finite flags written;
+    # rready / rempty: the one-stage ring of a warpgroup's second walk
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    redo = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    rready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    rempty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    flags = gl.allocate_shared_memory(gl.int32, [2, BM // 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     mbarrier.init(done, count=2)
-    mbarrier.init(redo.index(0), count=1)
-    mbarrier.init(redo.index(1), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(rready.index(i), count=1)
+        mbarrier.init(rempty.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
@@ -284,18 +304,18 @@ def _eva_fwd_gluon(
     mbarrier.wait(q_bar, 0)
 
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, ready, empty, done, redo.index(0), k_desc, v_desc, ks_desc, vs_desc,
-                     b * Hkv + hkv, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
+        (_consumer, (q_smem, k_smem, v_smem, ready, empty, done, flags, rready.index(0), rempty.index(0),
+                     o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
                      qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                      stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, BLOCK_BYTES, 0)),
-        (_consumer, (q_smem, k_smem, v_smem, ready, empty, done, redo.index(1), k_desc, v_desc, ks_desc, vs_desc,
-                     b * Hkv + hkv, o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
+                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, 0)),
+        (_consumer, (q_smem, k_smem, v_smem, ready, empty, done, flags, rready.index(1), rempty.index(1),
+                     o_ptr, lse_ptr, b, h, r_first, Nq, Nk, Nc, C, W, q_offset,
                      qk_scale, nb, nb_s, nb_s_full, e_a, e_b, st_min, c_hi, t_max,
                      stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, BLOCK_BYTES, 1)),
-        (_producer, (k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, b * Hkv + hkv, nb, nb_s,
-                     st_min, BLOCK_N, NUM_STAGES, BLOCK_BYTES)),
+                     SLIDING, LOG_COUNT, D, BLOCK_N, NUM_STAGES, 1)),
+        (_producer, (k_desc, v_desc, ks_desc, vs_desc, k_smem, v_smem, ready, empty, done, flags, rready, rempty,
+                     b * Hkv + hkv, nb, nb_s, st_min, BLOCK_N, NUM_STAGES, BLOCK_BYTES)),
     ], [4, 1], [240, 24])
 
     for i in gl.static_range(NUM_STAGES):
@@ -303,8 +323,9 @@ def _eva_fwd_gluon(
         mbarrier.invalidate(empty.index(i))
     mbarrier.invalidate(q_bar)
     mbarrier.invalidate(done)
-    mbarrier.invalidate(redo.index(0))
-    mbarrier.invalidate(redo.index(1))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(rready.index(i))
+        mbarrier.invalidate(rempty.index(i))
 
 
 # ---------------------------------------------------------------- launcher
