@@ -159,6 +159,24 @@ def env_raw(name: str):
         return env._data.get(_ENV_KEYS[name])
 
 
+_ENV_KEY_TUPLES: dict = {}  # names -> their keys in the dict under os.environ (env_raws)
+
+
+def env_raws(names: tuple) -> tuple:
+    """tuple(map(env_raw, names)) in one pass over the dict under os.environ: the call path's snapshot
+    of its settings, taken on every call."""
+    keys = _ENV_KEY_TUPLES.get(names)
+    if keys is not None:
+        try:
+            return tuple(map(os.environ._data.get, keys))
+        except AttributeError:  # os.environ replaced by an object without that dict
+            pass
+    values = tuple(map(env_raw, names))
+    if all(name in _ENV_KEYS for name in names):  # env_raw found the dict and encoded every name
+        _ENV_KEY_TUPLES[names] = tuple(_ENV_KEYS[name] for name in names)
+    return values
+
+
 def env_get(name: str) -> Optional[str]:
     """os.environ.get(name), through env_raw."""
     value = env_raw(name)
@@ -167,7 +185,8 @@ def env_get(name: str) -> Optional[str]:
 
 def env_flag(name: str) -> bool:
     """A boolean environment variable: unset, empty, 0, false, no and off (any case) read as off."""
-    return (env_get(name) or "").strip().lower() not in ("", "0", "false", "no", "off")
+    # unset (the usual case) answered without decoding the value
+    return env_raw(name) is not None and (env_get(name) or "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def poison_outputs() -> bool:

@@ -36,35 +36,46 @@ _ALL: list["PlanCache"] = []
 
 
 class PlanCache:
-    """A bounded LRU map from a call key to its plan; `get(None)` misses and `put(None, ...)` keeps
-    nothing (an argument that makes no key is validated on every call)."""
+    """A bounded LRU map from a call key to its plan; `get` misses and `put` keeps nothing for a key
+    None or an unhashable one (an argument that makes no key is validated on every call)."""
 
     def __init__(self, maxsize: int = 256):
         self.maxsize = maxsize
         self._data: OrderedDict = OrderedDict()
+        self._last = None  # the plan most recently put or hit: already at the end, no reordering
         _ALL.append(self)
 
     def get(self, key: Optional[Hashable]):
         if key is None:
             return None
         check_state()
-        plan = self._data.get(key)
-        if plan is not None:
+        try:
+            plan = self._data.get(key)
+        except Exception:  # unhashable (key_or_none does not hash it: a hit hashes the key once)
+            return None
+        if plan is not None and plan is not self._last:
             try:
                 self._data.move_to_end(key)
             except KeyError:  # another thread evicted it meanwhile: the plan itself is still good
                 pass
+            self._last = plan
         return plan
 
     def put(self, key: Optional[Hashable], plan) -> None:
         if key is None:
             return
-        self._data[key] = plan
+        try:
+            self._data[key] = plan
+        except Exception:  # unhashable
+            return
+        self._data.move_to_end(key)  # a key put again (two threads made its plan) is the most recent too
+        self._last = plan
         if len(self._data) > self.maxsize:
             self._data.popitem(last=False)
 
     def clear(self) -> None:
         self._data.clear()
+        self._last = None
 
     def __len__(self) -> int:
         return len(self._data)
@@ -92,21 +103,20 @@ def scalar_key(x) -> tuple:
 
 
 def key_or_none(build, *args) -> Optional[Hashable]:
-    """build(*args), or None where it raises (a non-tensor, an unhashable scalar) or while torch.compile
-    traces: those calls take the full path, whose checks raise the right error or trace as before."""
+    """build(*args), or None where it raises (a non-tensor) or while torch.compile traces: those calls
+    take the full path, whose checks raise the right error or trace as before. Not hashed here (hashing
+    costs as much as the lookup): PlanCache takes an unhashable key (an unhashable scalar) as none."""
     if torch.compiler.is_compiling():
         return None
     try:
-        key = build(*args)
-        hash(key)
+        return build(*args)
     except Exception:
         return None
-    return key
 
 
 # ---------------------------------------------------------------- invalidation
 def env_snapshot() -> tuple:
-    return tuple(map(C.env_raw, ENV_VARS))
+    return C.env_raws(ENV_VARS)
 
 
 _seen = {"env": None, "generation": None, "file": None, "next_file_check": 0.0}

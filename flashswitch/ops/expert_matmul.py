@@ -8,7 +8,6 @@ defines the math.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -159,7 +158,10 @@ def route(expert_idx: torch.Tensor, num_experts: int, *, check: bool = True) -> 
         token, slot, offsets = torch.ops.flashswitch_C.route_fwd(expert_idx, E)  # one call, no sync
     else:
         token, slot, offsets = _torch_route(expert_idx, E, clamp=not check)
-    return _trusted(Route(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E))
+    # every field right by construction: Route's checks (__post_init__, several microseconds) skipped
+    rt = Route.__new__(Route)
+    rt.__dict__.update(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E)
+    return _trusted(rt)
 
 
 def _trusted(rt: Route) -> Route:
@@ -175,7 +177,7 @@ def _device_route_wanted() -> bool:
     """The extension has the device routing op (kernels_cuda/route.cu) and FLASHSWITCH_ROUTE is not
     "torch": one C++ call instead of ~8 torch launches, most of route()'s cost on a slow host. Both
     give the same route (bitwise, tests/test_expert_matmul_cuda.py)."""
-    return os.environ.get(ROUTE_ENV, "device") != "torch" and _device_route_available()
+    return C.env_get(ROUTE_ENV) != "torch" and _device_route_available()
 
 
 @functools.lru_cache(maxsize=None)
