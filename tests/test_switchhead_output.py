@@ -395,12 +395,15 @@ def test_half_precision_on_gpu(dtype, master, T, H, E, k, D, d, form, monkeypatc
 
 @pytest.mark.gpu
 def test_split_token_sum_on_gpu():
-    """dweight's token sum split over several ranges (the GPU default at long T) equals one range."""
+    """dweight's token sum split over several ranges (the GPU default at long T) passes the same rule
+    against the fp64 oracle as one range. The two differ by rounding, not bitwise: the ranges reorder
+    the fp32 sums (and the tensor cores' accumulation)."""
     p = with_dy(make_problem(5000, 4, 4, 2, 112, 256, torch.bfloat16, master=True, seed=3))
     w = K.gate_table(p["ids"], p["gates"], 16)
-    one = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False, True, splits=1)[2]
-    many = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False, True, splits=4)[2]
-    torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-6)
+    for splits in (1, 4):
+        dw = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False, True,
+                        splits=splits)[2]
+        check(p, {"dweight": dw}, torch.bfloat16)
 
 
 @pytest.mark.gpu
