@@ -719,7 +719,8 @@ def markdown(d: dict) -> str:
                 f"Non-overlapping windows over the same first tokens of the held-out stream ({counts} predicted "
                 "tokens); `pretrained` "
                 "rows are zero-shot (the pretrained weights converted), `fine-tuned` rows each variant's own "
-                "fine-tune (EVA fine-tuned with summary bias " + str(a.get("summary_bias") or "none") + ").", "",
+                "fine-tune (EVA fine-tuned with summary bias " + str(a.get("summary_bias") or "none")
+                + " unless its variant sets its own); the summary bias column is the bias evaluated.", "",
                 "| weights | variant | summary bias | " + " | ".join(f"ppl @ {N}" for N in lengths) + " |",
                 "|---|---|---|" + "---:|" * len(lengths)]
         for r in ppl:
