@@ -37,10 +37,12 @@ def test_tuned_and_default_configs_compile_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert {r["op"] for r in rows} == {"chunk_summaries", "eva_attention", "expert_matmul"}
     assert rows and all(r["ok"] and r["kernels"] for r in rows)
-    # every kernel fits the multiprocessor and does not spill
+    # every kernel fits the multiprocessor, with no local arrays; register spills (the stack frame) are
+    # reported, not gated here: the Triton forward's in-kernel isolating walk spills (docs/PERFORMANCE.md)
     for r in rows:
         for k in r["kernels"]:
             assert k["regs"] <= 255 and k["local"] == 0 and k["shared"] <= 227 * 1024, (r["config"], k)
+            assert k["stack"] >= 0, (r["config"], k)
 
 
 def _module():

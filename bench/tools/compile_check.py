@@ -1,7 +1,7 @@
 """Compile an op's Triton (and Gluon) kernels for a GPU that is not here (default sm_90, the H200)
 with the installed Triton, for every config of its tuning spaces: catches the configs the compiler
 rejects (Triton 3.6's software pipeliner failing on a loop, as seen on the H200) and reports per kernel the
-registers, local memory (spills), shared memory and whether ptxas serializes its wgmma, before any
+registers, register spills (the stack frame), shared memory and whether ptxas serializes its wgmma, before any
 device time is spent. No GPU needed.
 
     python3 bench/tools/compile_check.py --ops eva_attention [--shape 0 1] [--first 8] [--arch 90]
@@ -120,8 +120,9 @@ def _sass_digest(cuobjdump: Path, cubin: Path) -> str:
 
 
 def resource_usage(kernel, arch: int = 90) -> dict:
-    """{"regs", "local", "shared", "sass", "wgmma_serialized"} of a compiled kernel: cuobjdump on its
-    cubin (sass: the digest of its instructions), and whether ptxas serializes its wgmma (warnings
+    """{"regs", "local", "stack", "shared", "sass", "wgmma_serialized"} of a compiled kernel: cuobjdump on
+    its cubin (stack: the frame that holds ptxas' register spills; sass: the digest of its instructions),
+    and whether ptxas serializes its wgmma (warnings
     C7514-C7515: an accumulator register touched while its wgmma runs, so every wgmma waits for the
     previous one)."""
     import triton
@@ -139,6 +140,9 @@ def resource_usage(kernel, arch: int = 90) -> dict:
         m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", text)
         if m:
             out.update(regs=int(m.group(1)), local=int(m.group(2)))
+        m = re.search(r"STACK:(\d+)", text)
+        if m:
+            out["stack"] = int(m.group(1))
         out["sass"] = _sass_digest(cuobjdump, cubin)
         if "wgmma" in kernel.asm.get("ptx", ""):
             ptx.write_text(kernel.asm["ptx"])
@@ -178,7 +182,7 @@ def compile_row(row: dict, modules, run, arch: int, label: str) -> dict:
         lines = str(err).strip().splitlines()
         row.update(ok=False, error=f"{type(err).__name__}: {lines[-1] if lines else ''}")
     row["s"] = round(time.monotonic() - t0, 1)
-    res = ", ".join(f"{k['name']} {k.get('regs', '?')} regs {k.get('local', '?')} B local "
+    res = ", ".join(f"{k['name']} {k.get('regs', '?')} regs {k.get('stack', '?')} B stack {k.get('local', '?')} B local "
                     f"{k.get('shared', 0) // 1024} KB smem{' wgmma serialized' if k.get('wgmma_serialized') else ''}"
                     for k in row["kernels"])
     print(f"  {'ok  ' if row['ok'] else 'FAIL'} {label}  {res or row.get('error', '')}", flush=True)
