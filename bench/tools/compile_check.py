@@ -1,8 +1,8 @@
 """Compile an op's Triton (and Gluon) kernels for a GPU that is not here (default sm_90, the H200)
 with the installed Triton, for every config of its tuning spaces: catches the configs the compiler
 rejects (Triton 3.6's software pipeliner failing on a loop, as seen on the H200) and reports per kernel the
-registers, register spills (the stack frame), shared memory and whether ptxas serializes its wgmma, before any
-device time is spent. No GPU needed.
+registers, register spills (the stack frame), shared memory and whether ptxas serializes its wgmma,
+before any device time is spent. No GPU needed.
 
     python3 bench/tools/compile_check.py --ops eva_attention [--shape 0 1] [--first 8] [--arch 90]
     python3 bench/tools/compile_check.py --ops eva_cache          # EvaCache's decode-step kernels
@@ -182,7 +182,8 @@ def compile_row(row: dict, modules, run, arch: int, label: str) -> dict:
         lines = str(err).strip().splitlines()
         row.update(ok=False, error=f"{type(err).__name__}: {lines[-1] if lines else ''}")
     row["s"] = round(time.monotonic() - t0, 1)
-    res = ", ".join(f"{k['name']} {k.get('regs', '?')} regs {k.get('stack', '?')} B stack {k.get('local', '?')} B local "
+    res = ", ".join(f"{k['name']} {k.get('regs', '?')} regs {k.get('stack', '?')} B stack "
+                    f"{k.get('local', '?')} B local "
                     f"{k.get('shared', 0) // 1024} KB smem{' wgmma serialized' if k.get('wgmma_serialized') else ''}"
                     for k in row["kernels"])
     print(f"  {'ok  ' if row['ok'] else 'FAIL'} {label}  {res or row.get('error', '')}", flush=True)
