@@ -334,6 +334,7 @@ class LlamaLM(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                  **self._kw)
         self.attention = attention
+        self._regions = None  # compile_regions(): (the compiled block step, the compiled loss head)
         self.init_weights(seed)
 
     def _attention(self, attention: str, *, chunk_size=None, window_size=None, window="block", summaries="mean",
@@ -370,6 +371,21 @@ class LlamaLM(nn.Module):
         self.attention = attention
         return self
 
+    def compile_regions(self, enable: bool = True, **compile_kw) -> "LlamaLM":
+        """Run full-sequence calls (no cache) through torch.compile, one region at a time: a decoder
+        block's step and the loss head (final norm, logits, cross-entropy). Inductor fuses what eager
+        runs as many small kernels (RMSNorm, rotary, SwiGLU, the casts of autocast, the loss's fp32
+        logits); the op kernels stay custom ops inside the graph. One compiled block serves every
+        layer (the parameters are graph inputs; the first block gets exact zeros for its pending MLP
+        output), so compiling costs two graphs whatever the depth. Calls with a cache stay eager.
+        `compile_regions(False)` goes back to eager. Returns the model."""
+        if not enable:
+            self._regions = None
+            return self
+        self._regions = (torch.compile(DecoderBlock.residual_forward, **compile_kw),
+                         torch.compile(_loss_head, **compile_kw))
+        return self
+
     def new_cache(self, batch_size: int, max_seq_len: int) -> list:
         """One cache per layer (StaticKVCache or EvaCache), on the model's device and dtype."""
         return [block.attn.new_cache(batch_size, max_seq_len) for block in self.layers]
@@ -379,12 +395,7 @@ class LlamaLM(nn.Module):
         """tokens [B, N] -> logits [B, N, vocab] ([B, 1, vocab] with last_only: each sequence's last
         position, lengths - 1 where right-padded prompt lengths are given). With a cache: an empty
         one is prefilled with the tokens, a filled one extended by them."""
-        C.check_tensor("tokens", tokens, ndim=2, dtypes=(torch.int32, torch.int64))
-        if cache is not None and len(cache) != len(self.layers):
-            raise ValueError(f"cache has {len(cache)} layers, the model {len(self.layers)}")
-        x, h = self.embed(tokens), None
-        for i, block in enumerate(self.layers):
-            x, h = block.residual_forward(x, h, None if cache is None else cache[i], lengths)
+        x, h = self.hidden(tokens, cache, lengths)
         if last_only:
             if lengths is None:
                 x, h = x[:, -1:], h[:, -1:]
@@ -392,12 +403,46 @@ class LlamaLM(nn.Module):
                 at = (lengths.long() - 1).clamp(min=0)[:, None, None].expand(x.shape[0], 1, x.shape[2])
                 x, h = x.gather(1, at), h.gather(1, at)
         x = self.norm.add(x, h)[1]
-        return F.linear(x, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        return F.linear(x, self.head_weight)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def hidden(self, tokens: torch.Tensor, cache: Optional[list] = None, lengths: Optional[torch.Tensor] = None):
+        """The residual stream after the last block and that block's MLP output, not yet added: (x, h)."""
+        C.check_tensor("tokens", tokens, ndim=2, dtypes=(torch.int32, torch.int64))
+        if cache is not None and len(cache) != len(self.layers):
+            raise ValueError(f"cache has {len(cache)} layers, the model {len(self.layers)}")
+        x = self.embed(tokens)
+        if cache is None and self._regions is not None:
+            # the first block's pending output as exact zeros of the MLP output's dtype and grad mode:
+            # every layer then matches one graph
+            dev = x.device.type
+            h = torch.zeros_like(x, dtype=torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None)
+            h.requires_grad_(x.requires_grad)
+            for block in self.layers:
+                x, h = self._regions[0](block, x, h)
+            return x, h
+        h = None
+        for i, block in enumerate(self.layers):
+            x, h = block.residual_forward(x, h, None if cache is None else cache[i], lengths)
+        return x, h
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (fp32) of tokens [B, N + 1]: positions 0..N-1 predict 1..N."""
-        logits = self(tokens[:, :-1])
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        if self._regions is None:
+            logits = self(tokens[:, :-1])
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        x, h = self.hidden(tokens[:, :-1])
+        return self._regions[1](self.norm, x, h, self.head_weight, tokens[:, 1:])
+
+
+def _loss_head(norm: RMSNorm, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """LlamaLM.loss after the blocks: the last residual add, the final norm, the logits and the mean
+    cross-entropy (fp32), as one region for torch.compile."""
+    logits = F.linear(norm.add(x, h)[1], weight)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 # ---------------------------------------------------------------- cost
