@@ -384,23 +384,56 @@ def problem_dtype(problem: dict) -> str:
 # ---------------------------------------------------------------- autotune
 def cmd_autotune(args) -> int:
     import torch
+    from flashswitch.nn.llama import LLAMA_SHAPES
     con = _console()
+    if args.model is not None and args.model not in LLAMA_SHAPES:
+        con.print(f"autotune --model takes one of {', '.join(sorted(LLAMA_SHAPES))}, not {args.model!r}")
+        return 2
     if not torch.cuda.is_available():
         con.print("autotune times kernels on a CUDA GPU, and none is visible (torch.cuda.is_available() is "
                   "False). Run it on the GPU machine; without a tuned file the heuristic defaults are used.")
         return 2
     from flashswitch.autotune import space
     from flashswitch.autotune.tune import tune
-    shapes = None
+    shapes, ops = None, args.ops  # None: the tuner's TUNE_SHAPES
+    if args.model is not None:  # the calls that model makes, derived from its config
+        shapes = _model_shapes(args)
+        ops = [op for op in (ops or shapes) if op in shapes]
     if args.first is not None:  # the first N shapes of each op (issue shapes come first in TUNE_SHAPES)
-        shapes = {op: list(lst[:args.first]) for op, lst in space.TUNE_SHAPES.items()}
+        shapes = {op: list(lst[:args.first]) for op, lst in (shapes or space.TUNE_SHAPES).items()}
     if args.shape is not None:  # chosen shapes of each op, by index
         shapes = {op: [lst[i] for i in args.shape if i < len(lst)] for op, lst in (shapes or space.TUNE_SHAPES).items()}
-    res = tune(ops=args.ops, backends=args.backends, shapes=shapes, dtypes=args.dtypes, budget_s=args.budget,
+    res = tune(ops=ops, backends=args.backends, shapes=shapes, dtypes=args.dtypes, budget_s=args.budget,
                out_dir=args.out, seed=args.seed, progress=not args.no_progress, resume=args.resume)
     con.print(f"tuned {res['buckets']} of {res['planned']} buckets -> {res['path']}"
               + (f" (stopped: {res['stopped']})" if res["stopped"] else ""))
     return 0 if res["buckets"] else 1
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _batch_by_len(text: str) -> tuple:
+    """B x T written as 8x2048."""
+    try:
+        b, t = (_positive(v) for v in text.split("x"))
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"B x T is written as 8x2048, got {text!r}") from None
+    return b, t
+
+
+def _model_shapes(args) -> dict:
+    """autotune --model: the op calls of a shipped Llama shape (prefill at --seq-lens, training at
+    --train-shapes, EVA with --chunk-size, --window-size and each of --windows)."""
+    from flashswitch.autotune.model_shapes import model_shapes
+    from flashswitch.nn.llama import LLAMA_SHAPES
+    return model_shapes(LLAMA_SHAPES[args.model], seq_lens=args.seq_lens, train=args.train_shapes,
+                        chunk_size=args.chunk_size, window_size=args.window_size, windows=args.windows,
+                        dtype=args.dtypes[0])
 
 
 # ---------------------------------------------------------------- generate
@@ -504,6 +537,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip buckets the file already holds complete over today's config spaces (continue a "
                         "run the budget cut short; a bucket whose space changed since is tuned again)")
     a.add_argument("--no-progress", action="store_true")
+    m = a.add_argument_group("a model's calls (instead of autotune/space.py TUNE_SHAPES)")
+    m.add_argument("--model", metavar="NAME", help="a shipped Llama shape (smollm2-135m, llama-1b): tune the buckets "
+                   "its EVA attention hits, op 1 and op 2 forward at prefill (batch 1) and training shapes, their "
+                   "backward at training ones")
+    m.add_argument("--seq-lens", nargs="+", type=_positive, default=[2048, 4096, 8192, 16384, 32768],
+                   help="prefill lengths (batch 1)")
+    m.add_argument("--train-shapes", nargs="+", type=_batch_by_len, default=["8x2048", "2x8192"],
+                   help="training steps' B x T")
+    m.add_argument("--chunk-size", type=_positive, default=32)
+    m.add_argument("--window-size", type=_positive, default=256)
+    m.add_argument("--windows", nargs="+", choices=("sliding", "block"), default=["sliding", "block"])
     a.set_defaults(func=cmd_autotune)
 
     g = sub.add_parser("generate", help="greedy text from a pretrained model, EVA or exact attention")

@@ -164,3 +164,32 @@ def test_cli_backends_and_dtypes_are_the_library_ones():
     assert cli.backend_status("nope", cpu) == (False, "unknown backend")
     assert set(cli.usable_kernel_backends(cpu)) <= set(backends.KERNELS)
     assert registry.DTYPES is C.DTYPES and C.DTYPE_NAMES == {v: k for k, v in C.DTYPES.items()}
+
+
+def test_autotune_model_shapes(monkeypatch, capsys):
+    """`autotune --model NAME` hands the tuner the buckets that model's EVA attention hits, derived from
+    its config: op 1 over the kv heads, op 2 over the query heads, the backward at training shapes
+    only, one shape per bucket; an unknown name is refused."""
+    import torch
+    from flashswitch.autotune import tune as tune_mod
+    from flashswitch.autotune.model_shapes import _features
+    from flashswitch.autotune.store import bucket_key
+    seen = {}
+
+    def fake_tune(**kw):
+        seen.update(kw)
+        return {"buckets": 1, "planned": 1, "path": "x.json", "stopped": None}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune_mod, "tune", fake_tune)
+    assert cli.main(["autotune", "--model", "smollm2-135m", "--seq-lens", "4096", "--train-shapes", "8x2048",
+                     "--windows", "sliding", "--no-progress"]) == 0
+    shapes = seen["shapes"]
+    assert seen["ops"] == ["chunk_summaries", "chunk_summaries.bwd", "eva_attention", "eva_attention.bwd"]
+    assert shapes["chunk_summaries.bwd"] == [dict(B=8, H=3, N=2048, D=64, C=32)]
+    assert shapes["eva_attention.bwd"] == [dict(B=8, H=9, Hkv=3, Nk=2048, D=64, C=32, W=256, window="sliding")]
+    assert {(s["B"], s["Nk"]) for s in shapes["eva_attention"]} == {(1, 4096), (8, 2048)}
+    for op, lst in shapes.items():  # one shape per bucket
+        assert len({bucket_key(_features(op, s, "bf16")) for s in lst}) == len(lst)
+    assert cli.main(["autotune", "--model", "gpt-5"]) == 2
+    assert "smollm2-135m" in capsys.readouterr().out
