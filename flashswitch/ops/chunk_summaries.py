@@ -58,7 +58,9 @@ def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale
 def _chunk_summaries_op(k: torch.Tensor, v: torch.Tensor, chunk_size: int, omega: Optional[torch.Tensor],
                         key_weight: Optional[torch.Tensor], valid: Optional[torch.Tensor], scale: float,
                         backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _run_backend(backend, k, v, chunk_size, omega, key_weight, valid, scale)
+    # a traced caller's call runs the eager calls' plan: the prepared launch, no per-call config lookup
+    plan = _cached_plan(k, v, chunk_size, omega, key_weight, valid, scale, backend)
+    return _run_backend(plan.backend, k, v, chunk_size, omega, key_weight, valid, scale, plan.config, plan.enqueue)
 
 
 @_chunk_summaries_op.register_fake
@@ -102,8 +104,9 @@ def _chunk_summaries_backward_op(dk_sum: torch.Tensor, dv_sum: torch.Tensor, dls
                                  k: torch.Tensor, v: torch.Tensor, chunk_size: int, omega: Optional[torch.Tensor],
                                  key_weight: Optional[torch.Tensor], valid: Optional[torch.Tensor], scale: float,
                                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dk, dv, domega, dkw = _run_backward(backend, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, key_weight,
-                                        valid, scale)
+    plan = _cached_plan(k, v, chunk_size, omega, key_weight, valid, scale, backend)
+    dk, dv, domega, dkw = _run_backward(plan.backend, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, key_weight,
+                                        valid, scale, plan=plan)
     return dk, dv, _skeleton.absent(k) if domega is None else domega, _skeleton.absent(k) if dkw is None else dkw
 
 
@@ -235,11 +238,7 @@ def chunk_summaries(k: torch.Tensor, v: torch.Tensor, chunk_size: int, *, omega:
     "triton", "cuda" or "cupy". Differentiable in k, v, omega and key_weight (and through lse); the
     kernel backends' gradients come from the Triton backward kernels.
     """
-    key = call_plan.key_or_none(_call_key, k, v, chunk_size, omega, key_weight, valid, scale, backend)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend)
-        _PLANS.put(key, plan)
+    plan = _cached_plan(k, v, chunk_size, omega, key_weight, valid, scale, backend)
     if not plan.kernels or not C.kernels_serve(backend, k, v, omega, key_weight):
         from flashswitch.reference.chunk_summaries import torch_chunk_summaries
         out = torch_chunk_summaries(k, v, chunk_size, omega=omega, key_weight=key_weight, valid=valid,
@@ -289,6 +288,16 @@ _PLANS = call_plan.PlanCache()
 def _call_key(k, v, chunk_size, omega, key_weight, valid, scale, backend):
     T, O, S = call_plan.tensor_key, call_plan.optional_tensor_key, call_plan.scalar_key
     return (T(k), T(v), S(chunk_size), O(omega), O(key_weight), O(valid), S(scale), S(backend))
+
+
+def _cached_plan(k, v, chunk_size, omega, key_weight, valid, scale, backend) -> _Plan:
+    """The plan of a call, kept for the next call with the same metadata."""
+    key = call_plan.key_or_none(_call_key, k, v, chunk_size, omega, key_weight, valid, scale, backend)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend)
+        _PLANS.put(key, plan)
+    return plan
 
 
 def _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend) -> _Plan:

@@ -65,8 +65,10 @@ def _eva_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: 
                       v_sum: torch.Tensor, bias: Optional[torch.Tensor], chunk_size: int, window_size: int,
                       window: str, scale: float, q_offset: int, log_count: bool,
                       backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run_backend(backend, q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset,
-                        log_count)
+    # a traced caller's call runs the eager calls' plan: the prepared launch, no per-call config lookup
+    plan = _op_plan(q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset, log_count, backend)
+    return _run_backend(plan.backend, q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset,
+                        log_count, config=plan.config, enqueue=plan.enqueue)
 
 
 @_eva_attention_op.register_fake
@@ -117,8 +119,9 @@ def _eva_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                window: str, scale: float, q_offset: int, log_count: bool, backend: str
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                           torch.Tensor]:
-    return _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_size, window_size, window,
-                         scale, q_offset, log_count)
+    plan = _op_plan(q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset, log_count, backend)
+    return _run_backward(plan.backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_size, window_size, window,
+                         scale, q_offset, log_count, plan=plan)
 
 
 @_eva_attention_backward_op.register_fake
@@ -285,12 +288,7 @@ def eva_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sum: torc
     backends ("triton", "cuda", "cupy") all run the Triton backward kernels (recomputing the
     softmax from the saved lse; deterministic); "reference" differentiates the torch reference.
     """
-    key = call_plan.key_or_none(_call_key, q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
-                                summary_bias, q_offset, backend)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset, backend)
-        _PLANS.put(key, plan)
+    plan = _cached_plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset, backend)
     if not plan.kernels or not C.kernels_serve(
             backend, q, k, v, k_sum, v_sum, summary_bias if isinstance(summary_bias, torch.Tensor) else None):
         from flashswitch.reference.eva_attention import torch_eva_attention
@@ -351,6 +349,26 @@ def _call_key(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, sum
     bias = T(summary_bias) if isinstance(summary_bias, torch.Tensor) else S(summary_bias)
     return (T(q), T(k), T(v), T(k_sum), T(v_sum), S(chunk_size), S(window_size), S(window), S(scale), bias,
             S(q_offset), S(backend))
+
+
+def _cached_plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset,
+                 backend) -> _Plan:
+    """The plan of a call, kept for the next call with the same metadata."""
+    key = call_plan.key_or_none(_call_key, q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
+                                summary_bias, q_offset, backend)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset, backend)
+        _PLANS.put(key, plan)
+    return plan
+
+
+def _op_plan(q, k, v, k_sum, v_sum, bias, chunk_size, window_size, window, scale, q_offset, log_count,
+             backend) -> _Plan:
+    """The plan of a custom-op call (normalized arguments: an fp32 bias tensor or the log-count flag)."""
+    summary_bias = bias if bias is not None else ("log_count" if log_count else None)
+    return _cached_plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset,
+                        backend)
 
 
 def _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary_bias, q_offset, backend) -> _Plan:
