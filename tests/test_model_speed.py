@@ -54,7 +54,7 @@ def test_smoke_run(tmp_path):
     data = json.loads((tmp_path / "model_speed.json").read_text())
     assert data["commit"] is not None or data["date"]
     modes = {(r["mode"], r["attention"]) for r in data["rows"]}
-    assert modes == {(m, a) for m in ("prefill", "train") for a in model_speed.ATTENTIONS}
+    assert modes == {(m, a) for m in model_speed.MODES for a in model_speed.ATTENTIONS}
     for r in data["rows"]:
         assert {"model", "mode", "batch", "seq_len", "attention", "ms", "ideal_speedup"} <= set(r), r
         assert r["ms"] > 0 and r["ideal_speedup"] > 0 and "error" not in r

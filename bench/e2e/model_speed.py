@@ -8,14 +8,18 @@ by side in one run.
 Writes bench/results/<device>/model_speed.{json,md,png} (or --out DIR), merging its rows into the JSON
 already there (a run split by flags adds up). Modes:
 
-prefill  batch 1, prompts of --prefill-lens tokens into empty caches (LlamaLM.new_cache), the last
-         position's logits, bf16 weights, no gradient.
-train    one fine-tuning step (forward + backward + fused AdamW, bf16 autocast over fp32 master weights)
-         at each --train-shapes B x T, random tokens.
+prefill    batch 1, prompts of --prefill-lens tokens into empty caches (LlamaLM.new_cache), the last
+           position's logits, bf16 weights, no gradient.
+attention  the attention op alone at each --train-shapes B x T and the model's head layout, forward
+         + backward (fwd_ms: forward alone): EVA is op 1 + op 2 (chunk_summaries, eva_attention), exact
+         is SDPA (is_causal, enable_gqa); q, k, v after rotary, bf16.
+train      one fine-tuning step (forward + backward + fused AdamW, bf16 autocast over fp32 master weights)
+           at each --train-shapes B x T, random tokens.
 
 Attentions: "sdpa" (exact causal attention, SDPA with enable_gqa), "eva-sliding" and "eva-block"
 (EvaAttention, C 32, W 256, the log-count summary bias). Impls: "eager" (the model as written) and
 "compiled" (LlamaLM.compile_regions: each block and the loss head through torch.compile; train only).
+Prefill and attention rows run eager.
 Each row has the median per-call time (CUDA events, host included), the time of the same call
 replayed from a CUDA graph (the kernels alone; None where it cannot be captured), the MAC-ideal
 speedup (exact attention's multiply-accumulates per token over the row's, flashswitch.nn.llama.
@@ -43,6 +47,7 @@ ATTENTIONS = {"sdpa": {"attention": "sdpa"},
               "eva-sliding": {"attention": "eva", "chunk_size": 32, "window_size": 256, "window": "sliding"},
               "eva-block": {"attention": "eva", "chunk_size": 32, "window_size": 256, "window": "block"}}
 IMPLS = ("eager", "compiled")
+MODES = ("attention", "prefill", "train")
 PREFILL_LENS = (2048, 4096, 8192, 16384, 32768)
 TRAIN_SHAPES = ("8x2048", "2x8192")
 # the smoke run: a 2-layer toy with SmolLM2's head layout, EVA at toy chunk and window sizes
@@ -125,10 +130,14 @@ def attention_kw(attention: str, smoke: bool) -> dict:
     return kw
 
 
-def ideal_speedup(cfg: LlamaConfig, seq_len: int, attention: str, *, logits: bool, smoke: bool) -> float:
+def ideal_speedup(cfg: LlamaConfig, seq_len: int, attention: str, *, logits: bool, smoke: bool,
+                  alone: bool = False) -> float:
+    """Exact attention's MACs per token over the row's: the whole model's, or with `alone` the
+    attention's (op 2's pairs and op 1's summaries)."""
     kw = attention_kw(attention, smoke)
-    exact = macs_per_token(cfg, seq_len, logits=logits)["total"]
-    return exact / macs_per_token(cfg, seq_len, **kw, logits=logits)["total"]
+    part = ("attention", "summaries") if alone else ("total",)
+    exact, own = macs_per_token(cfg, seq_len, logits=logits), macs_per_token(cfg, seq_len, **kw, logits=logits)
+    return sum(exact[p] for p in part) / sum(own[p] for p in part)
 
 
 def build(cfg: LlamaConfig, attention: str, impl: str, device, dtype, smoke: bool) -> LlamaLM:
@@ -165,13 +174,44 @@ def train_case(model: LlamaLM, batch: int, seq_len: int, args, device) -> dict:
     return out
 
 
+def attention_case(cfg: LlamaConfig, attention: str, batch: int, seq_len: int, args, device) -> dict:
+    import torch.nn.functional as F
+    from flashswitch.ops.chunk_summaries import chunk_summaries
+    from flashswitch.ops.eva_attention import eva_attention
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def rnd(h):
+        return torch.randn(batch, h, seq_len, D, device=device, dtype=dtype, generator=g).requires_grad_()
+    q, k, v = rnd(H), rnd(Hkv), rnd(Hkv)
+    do = torch.randn(batch, H, seq_len, D, device=device, dtype=dtype, generator=g)
+    kw = attention_kw(attention, args.smoke)
+
+    def forward():
+        if kw["attention"] == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
+        k_sum, v_sum = chunk_summaries(k, v, kw["chunk_size"])
+        return eva_attention(q, k, v, k_sum, v_sum, chunk_size=kw["chunk_size"], window_size=kw["window_size"],
+                             window=kw["window"], summary_bias="log_count")
+
+    def reset():
+        q.grad = k.grad = v.grad = None
+
+    out = timed(lambda: forward().backward(do), reset, reps=args.reps, warmup=args.warmup, device=device,
+                graph=args.graph)
+    with torch.no_grad():
+        out["fwd_ms"] = E.median(E.time_calls(forward, warmup=args.warmup, reps=args.reps, device=device))
+    return out
+
+
 def cases(args):
     """(model, mode, batch, seq_len, attention, impl) in run order: a model's rows together."""
     for name in args.models:
         for mode in args.modes:
             shapes = ([(1, n) for n in args.prefill_lens] if mode == "prefill"
                       else [tuple(int(v) for v in s.split("x")) for s in args.train_shapes])
-            impls = ["eager"] if mode == "prefill" else args.impls
+            impls = args.impls if mode == "train" else ["eager"]
             for impl in impls:
                 for attention in args.attentions:
                     for batch, seq_len in shapes:
@@ -184,10 +224,16 @@ def run(args, device) -> list[dict]:
         cfg = SMOKE_CFG if args.smoke else LLAMA_SHAPES[name]
         row = {"model": name, "mode": mode, "batch": batch, "seq_len": seq_len, "attention": attention,
                "impl": impl, "ideal_speedup": ideal_speedup(cfg, seq_len, attention, logits=mode == "train",
-                                                 smoke=args.smoke)}
+                                                 smoke=args.smoke, alone=mode == "attention")}
         print(f"{name} {mode} {batch}x{seq_len} {attention} {impl}", flush=True)
         key = (name, mode, attention, impl)
         try:
+            if mode == "attention":
+                row.update(attention_case(cfg, attention, batch, seq_len, args, device))
+                row["tokens_per_s"] = batch * seq_len / row["ms"] * 1e3
+                print(f"  {row['ms']:.3f} ms, graph {row.get('graph_ms')}", flush=True)
+                rows.append(row)
+                continue
             if key not in built:  # one model per (name, mode, attention, impl): compiled once
                 built.clear()
                 E.free_memory(device)
@@ -231,14 +277,15 @@ def markdown(data: dict) -> str:
     out = [f"# Model speed: EVA against exact attention ({data.get('device')})", "",
            f"{E.provenance_line(data)}; torch {data.get('torch')}, triton {data.get('triton')}. "
            "`python bench/e2e/model_speed.py`. ms: median per call (CUDA events, host included); graph: the "
-           "same call replayed from a CUDA graph; speedup: exact's ms over the row's (same impl), graph "
+           "same call replayed from a CUDA graph; fwd ms: the attention op's forward alone; speedup: exact's ms over the row's (same impl), graph "
            "speedup likewise; ideal: exact's MACs per token over the row's; of ideal: speedup / ideal. "
            "Split: one call's GPU time by kernel family (torch profiler), host: ms minus the kernels' sum.", ""]
-    head = ("| model | mode | B x T | attention | impl | ms | graph ms | speedup | graph speedup | ideal | "
+    head = ("| model | mode | B x T | attention | impl | ms | fwd ms | graph ms | speedup | graph speedup | ideal | "
             "of ideal | " + " | ".join(SPLIT) + " |")
     out += [head, "|" + "---|" * (head.count("|") - 1)]
     order = {a: i for i, a in enumerate(ATTENTIONS)}
-    for r in sorted(rows, key=lambda r: (r["model"], r["mode"], r["impl"], r["batch"] * r["seq_len"], r["seq_len"],
+    modes = {m: i for i, m in enumerate(MODES)}
+    for r in sorted(rows, key=lambda r: (r["model"], modes.get(r["mode"], 9), r["impl"], r["batch"] * r["seq_len"], r["seq_len"],
                                          order.get(r["attention"], 9))):
         shape = f"{r['batch']} x {r['seq_len']}"
         if r.get("error"):
@@ -248,7 +295,7 @@ def markdown(data: dict) -> str:
         frac = r["speedup"] / r["ideal_speedup"] if r.get("speedup") else None
         split = r.get("split") or {}
         out.append(f"| {r['model']} | {r['mode']} | {shape} | {r['attention']} | {r['impl']} | {r['ms']:.2f} | "
-                   f"{_f(r.get('graph_ms'), '.2f')} | {_f(r.get('speedup'), '.2f')} | "
+                   f"{_f(r.get('fwd_ms'), '.2f')} | {_f(r.get('graph_ms'), '.2f')} | {_f(r.get('speedup'), '.2f')} | "
                    f"{_f(r.get('graph_speedup'), '.2f')} | {r['ideal_speedup']:.2f} | {_f(frac, '.2f')} | "
                    + " | ".join(_f(split.get(f), ".1f") for f in SPLIT) + " |")
     return "\n".join(out)
@@ -300,7 +347,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(LLAMA_SHAPES), choices=list(LLAMA_SHAPES))
-    p.add_argument("--modes", nargs="+", default=["prefill", "train"], choices=["prefill", "train"])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--attentions", nargs="+", default=list(ATTENTIONS), choices=list(ATTENTIONS))
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS, help="train steps' impls")
     p.add_argument("--prefill-lens", nargs="+", type=int, default=list(PREFILL_LENS))
