@@ -89,6 +89,26 @@ def profile_split(fn) -> dict:
     return {"split": split, "kernels": count}
 
 
+def call_ms(fn, reset, *, reps: int, warmup: int, device) -> list[float]:
+    """Milliseconds of each of `reps` calls of fn after `warmup` ones: back to back (E.time_calls), or,
+    where a reset() comes before each call, that reset run and waited for outside the timing."""
+    if reset is None or torch.device(device).type != "cuda":
+        def call():
+            if reset is not None:
+                reset()
+            fn()
+        return E.time_calls(call, warmup=warmup, reps=reps, device=device)
+    for _ in range(warmup):
+        reset()
+        fn()
+    out = []
+    for _ in range(reps):
+        reset()
+        torch.cuda.synchronize()
+        out += E.time_calls(fn, warmup=0, reps=1, device=device)
+    return out
+
+
 def graph_ms(fn, reset, reps: int) -> float | None:
     """Median ms of fn replayed from a CUDA graph (reset() before each replay, outside the graph and
     the timing), or None where fn cannot be captured."""
@@ -98,24 +118,18 @@ def graph_ms(fn, reset, reps: int) -> float | None:
         print(f"  no CUDA graph: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200])
         torch.cuda.synchronize()
         return None
-    times = []
-    for _ in range(reps):
-        if reset is not None:
-            reset()
-        times += E.time_calls(graph.replay, warmup=0, reps=1, device="cuda")
-    return E.median(times)
+    return E.median(call_ms(graph.replay, reset, reps=reps, warmup=0, device="cuda"))
 
 
 def timed(fn, reset, *, reps: int, warmup: int, device, graph: bool) -> dict:
-    """Per-call ms (reset() inside the timed call: a few launches at most), CUDA-graph ms, the profile."""
-    def call():
-        if reset is not None:
-            reset()
-        fn()
-    out = {"ms": E.median(E.time_calls(call, warmup=warmup, reps=reps, device=device))}
+    """Per-call ms (host included), CUDA-graph ms and one call's profile; reset() (outside the timing)
+    before each call."""
+    out = {"ms": E.median(call_ms(fn, reset, reps=reps, warmup=warmup, device=device))}
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        out.update(profile_split(call))
+        if reset is not None:
+            reset()
+        out.update(profile_split(fn))
         out["peak_GiB"] = torch.cuda.max_memory_allocated() / GiB
         out["split"]["host"] = max(out["ms"] - sum(out["split"].values()), 0.0)
         out["graph_ms"] = graph_ms(fn, reset, reps) if graph else None
