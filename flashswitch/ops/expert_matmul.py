@@ -129,8 +129,9 @@ def route(expert_idx: torch.Tensor, num_experts: int, *, check: bool = True) -> 
 
     Runs on expert_idx's device with no host synchronisation, except the range check of
     `check=True` (one sync; raises ValueError when an id is outside [0, num_experts)). Pass
-    `check=False` inside CUDA-graph capture: out-of-range ids are then dropped from the route
-    (pairs below 0 or at/above E belong to no expert) and their outputs are unspecified.
+    `check=False` inside CUDA-graph capture and torch.compile(fullgraph=True): out-of-range ids are
+    then dropped from the route (pairs below 0 or at/above E belong to no expert) and their outputs
+    are unspecified.
     """
     if not isinstance(expert_idx, torch.Tensor):
         raise TypeError(f"expert_idx must be a torch.Tensor, got {type(expert_idx).__name__}")
@@ -158,6 +159,9 @@ def route(expert_idx: torch.Tensor, num_experts: int, *, check: bool = True) -> 
         token, slot, offsets = torch.ops.flashswitch_C.route_fwd(expert_idx, E)  # one call, no sync
     else:
         token, slot, offsets = _torch_route(expert_idx, E, clamp=not check)
+    if torch.compiler.is_compiling():
+        # dynamo (torch 2.11) cannot trace the __dict__ update below; the constructor's checks run at trace time only
+        return _trusted(Route(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E))
     # every field right by construction: Route's checks (__post_init__, several microseconds) skipped
     rt = Route.__new__(Route)
     rt.__dict__.update(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E)
