@@ -293,6 +293,77 @@ def test_torch_compile_fullgraph(backend):
         assert torch.equal(a, b)
 
 
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "triton", "cuda"])
+def test_torch_compile_fullgraph_route_inside(backend):
+    """The route built inside the compiled function, as the layers build theirs (issue 49: route() once
+    built its Route in a way dynamo could not trace, and the reference read the ids' range on the host):
+    fullgraph=True traces it and gives eager's output and gradients. "auto" is the issue's call itself
+    (the reference on the CPU)."""
+    if backend not in ("auto", "reference") and backend not in kernel_backends():
+        pytest.skip(f"backend {backend} is not available on {DEVICE}")
+    p = random_problem(T=9, S=4, E=16, d_in=8, d_out=6, G_out=2, device=DEVICE)
+    if backend == "auto":
+        f = lambda x, idx, w, g: expert_matmul(x, route(idx, 16, check=False), w, gates=g, out_groups=2)  # noqa: E731
+    else:
+        f = lambda x, idx, w, g: expert_matmul(x, route(idx, 16, check=False), w, gates=g, out_groups=2,  # noqa: E731
+                                               backend=backend)
+    dy = _dy(p)
+
+    def run(fn):
+        leaves = [p[k].detach().clone().requires_grad_() for k in ("x", "weight", "gates")]
+        y = fn(leaves[0], p["expert_idx"], *leaves[1:])
+        return (y, *torch.autograd.grad(y, leaves, dy))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if GPU else "aot_eager")
+    # the forward's slot sum may use atomics (not deterministic=True), the reference's compiled dx sums in
+    # another order: close, not bitwise
+    for name, a, b in zip(("y", "dx", "dweight", "dgates"), run(compiled), run(f)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_reference_drops_out_of_range_ids():
+    """route(check=False) on the reference backend, eager and compiled: a pair whose id lies outside
+    [0, E) belongs to no expert, as in the kernels' route: y as if its gate were 0, and a zero gate
+    gradient."""
+    p = random_problem(T=7, S=4, E=5, d_in=8, d_out=6, G_in=2, G_out=2, device=DEVICE)
+    idx = p["expert_idx"].clone()
+    idx[1, 0], idx[4, 3] = 5, -2
+    dropped = (idx < 0) | (idx >= 5)
+    dy = _dy(p)
+
+    def f(x, idx, w, g):
+        return expert_matmul(x, route(idx, 5, check=False), w, gates=g, out_groups=2, backend="reference")
+
+    def run(fn):
+        leaves = [p[k].detach().clone().requires_grad_() for k in ("x", "weight", "gates")]
+        y = fn(leaves[0], idx, *leaves[1:])
+        return (y, *torch.autograd.grad(y, leaves, dy))
+
+    torch._dynamo.reset()
+    compiled, eager = run(torch.compile(f, fullgraph=True, backend="aot_eager")), run(f)
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    expected = torch_expert_matmul(p["x"], idx.clamp(0, 4), p["weight"], gates=p["gates"].masked_fill(dropped, 0),
+                                   out_groups=2)
+    for y, dg in ((compiled[0], compiled[3]), (eager[0], eager[3])):
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+        assert not dg[dropped].any() and dg[~dropped].all()
+
+
+def test_reference_op_gradients():
+    """The traced reference's custom ops: registrations (opcheck) and the hand-written backward against
+    finite differences in fp64, with grouped input rows and output groups."""
+    p = random_problem(T=5, S=4, E=3, d_in=4, d_out=3, G_in=2, G_out=2, dtype=torch.float64, device=DEVICE)
+    x, w, g = (p[k].detach().clone().requires_grad_() for k in ("x", "weight", "gates"))
+    idx = p["expert_idx"].clone()
+    idx[2, 1] = 3  # dropped
+    torch.library.opcheck(op._reference_op, (x, idx, w, g, 2))
+    torch.library.opcheck(op._reference_dweight_op, (x.detach(), idx, w.detach(), _dy(p).double(), g.detach()))
+    torch.autograd.gradcheck(lambda x, w, g: op._reference_op(x, idx, w, g, 2), (x, w, g))
+    torch.autograd.gradcheck(lambda x, w: op._reference_op(x, idx, w, None, 1), (x, w))
+
 def test_fake_tensor_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():

@@ -133,6 +133,12 @@ def test_out_of_range_ids():
             torch_expert_matmul(**dict(_args(p), expert_idx=idx))
         with pytest.raises(ValueError, match="expert_idx"):
             numpy_expert_matmul(**dict(_args(p), expert_idx=idx))
+        # check=False (route(check=False)'s reference): the pair belongs to no expert, as with gate 0
+        gates = p["gates"].clone()
+        gates[2, 1] = 0
+        y = torch_expert_matmul(**dict(_args(p), expert_idx=idx, check=False))
+        assert_close("y", y, numpy_expert_matmul(**dict(_args(p), expert_idx=idx.clamp(0, 2), gates=gates)),
+                     p["x"].dtype)
 
 
 def test_bad_groups():

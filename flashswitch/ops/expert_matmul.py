@@ -129,8 +129,9 @@ def route(expert_idx: torch.Tensor, num_experts: int, *, check: bool = True) -> 
 
     Runs on expert_idx's device with no host synchronisation, except the range check of
     `check=True` (one sync; raises ValueError when an id is outside [0, num_experts)). Pass
-    `check=False` inside CUDA-graph capture: out-of-range ids are then dropped from the route
-    (pairs below 0 or at/above E belong to no expert) and their outputs are unspecified.
+    `check=False` inside CUDA-graph capture and torch.compile(fullgraph=True): out-of-range ids are
+    then dropped from the route (pairs below 0 or at/above E belong to no expert) and their outputs
+    are unspecified.
     """
     if not isinstance(expert_idx, torch.Tensor):
         raise TypeError(f"expert_idx must be a torch.Tensor, got {type(expert_idx).__name__}")
@@ -158,6 +159,9 @@ def route(expert_idx: torch.Tensor, num_experts: int, *, check: bool = True) -> 
         token, slot, offsets = torch.ops.flashswitch_C.route_fwd(expert_idx, E)  # one call, no sync
     else:
         token, slot, offsets = _torch_route(expert_idx, E, clamp=not check)
+    if torch.compiler.is_compiling():
+        # dynamo (torch 2.11) cannot trace the __dict__ update below; the constructor's checks run at trace time only
+        return _trusted(Route(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E))
     # every field right by construction: Route's checks (__post_init__, several microseconds) skipped
     rt = Route.__new__(Route)
     rt.__dict__.update(token=token, slot=slot, offsets=offsets, expert_idx=expert_idx, T=T, S=S, E=E)
@@ -445,8 +449,11 @@ def expert_matmul(x: torch.Tensor, route: Route, weight: torch.Tensor, *, gates:
     if not plan.kernels or not C.kernels_serve(backend, x, weight, gates):
         if route.expert_idx is None:
             raise ValueError("the reference backend needs a route built by flashswitch.route (with expert_idx)")
+        if torch.compiler.is_compiling():
+            return _reference_op(x, route.expert_idx, weight, gates, plan.G_out)
         from flashswitch.reference.expert_matmul import torch_expert_matmul
-        return torch_expert_matmul(x, route.expert_idx, weight, gates=gates, out_groups=out_groups)
+        # ids outside [0, E) dropped, as the kernels do: route(check=True) has already refused them
+        return torch_expert_matmul(x, route.expert_idx, weight, gates=gates, out_groups=out_groups, check=False)
     x3 = _x3(x)
     if C.eager_fast_path(x3, weight, gates):
         return _run_backend(plan.backend, x3, weight, gates, route, plan.G_out, deterministic, plan.config,
@@ -478,6 +485,60 @@ class _EagerAutograd(torch.autograd.Function):
         dx, dw, dg = _run_backward(plan.backend, dy, x3, weight, gates, ctx.route, plan.G_out, need_x, need_weight,
                                    need_gates, plan=plan)
         return (dx if need_x else None, dw if need_weight else None, dg if need_gates else None, None, None, None)
+
+
+# ---------------------------------------------------------------- the reference, traced
+# A traced graph cannot hold the reference's per-expert split (its sizes are the ids' counts, read on the
+# host), so a traced call runs it as one opaque op. Eager calls run the torch code itself, which
+# torch.func and forward-mode AD differentiate; the op's backward is written with the op and a d weight
+# op of the same kind.
+@torch.library.custom_op("flashswitch::expert_matmul_reference", mutates_args=())
+def _reference_op(x: torch.Tensor, expert_idx: torch.Tensor, weight: torch.Tensor, gates: Optional[torch.Tensor],
+                  G_out: int) -> torch.Tensor:
+    from flashswitch.reference.expert_matmul import torch_expert_matmul
+    return torch_expert_matmul(x, expert_idx, weight, gates=gates, out_groups=G_out, check=False)
+
+
+@_reference_op.register_fake
+def _(x, expert_idx, weight, gates, G_out):
+    return x.new_empty((x.shape[0], G_out, weight.shape[2]))
+
+
+@torch.library.custom_op("flashswitch::expert_matmul_reference_dweight", mutates_args=())
+def _reference_dweight_op(x: torch.Tensor, expert_idx: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor,
+                          gates: Optional[torch.Tensor]) -> torch.Tensor:
+    from flashswitch.reference.expert_matmul import torch_expert_matmul_dweight
+    return torch_expert_matmul_dweight(x, expert_idx, dy, weight.shape[0], gates=gates).to(weight.dtype)
+
+
+@_reference_dweight_op.register_fake
+def _(x, expert_idx, weight, dy, gates):
+    return weight.new_empty(weight.shape)
+
+
+def _reference_setup_context(ctx, inputs, output):
+    x, expert_idx, weight, gates, G_out = inputs
+    ctx.save_for_backward(x, expert_idx, weight, gates)
+
+
+def _reference_backward(ctx, dy):
+    x, expert_idx, weight, gates = ctx.saved_tensors
+    need_x, _, need_weight, need_gates = ctx.needs_input_grad[:4]
+    acc = torch.promote_types(x.dtype, torch.float32)  # the reference's math: fp32, fp64 for fp64 x
+    S = expert_idx.shape[1]
+    dx = dw = dg = None
+    if need_x:  # y is linear in x: dx is the op over dy and the transposed experts, summed per input group
+        G_in = 1 if x.dim() == 2 else x.shape[1]
+        dx = _reference_op(dy.to(acc), expert_idx, weight.transpose(1, 2), gates, G_in).view(x.shape).to(x.dtype)
+    if need_weight:
+        dw = _reference_dweight_op(x, expert_idx, weight, dy, gates)
+    if need_gates and gates is not None:  # dgates[t, s] = <x_row(t, s) @ W[id], dy[t, s // (S / G_out)]>
+        pairs = _reference_op(x.to(acc), expert_idx, weight, None, S)  # ungated, one output group per slot
+        dg = (pairs * dy.to(acc).repeat_interleave(S // dy.shape[1], 1)).sum(-1).to(gates.dtype)
+    return dx, None, dw, dg, None
+
+
+_reference_op.register_autograd(_reference_backward, setup_context=_reference_setup_context)
 
 
 # ---------------------------------------------------------------- call plans

@@ -54,22 +54,42 @@ def numpy_expert_matmul(x, expert_idx, weight, *, gates=None, out_groups=None):
 
 
 # ---------------------------------------------------------------- vectorized reference
-def torch_expert_matmul(x, expert_idx, weight, *, gates=None, out_groups=None):
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _pair_rows(t: torch.Tensor, S: int, acc: torch.dtype) -> torch.Tensor:
+    """[T·S, d] in acc: the row of t ([T, d] or [T, G, d]) that pair p = t·S + s reads, (t, s // (S / G))."""
+    T, d = t.shape[0], t.shape[-1]
+    G = 1 if t.dim() == 2 else t.shape[1]
+    pair = torch.arange(T * S, device=t.device)
+    return t.to(acc).reshape(T * G, d)[pair // S * G + pair % S // (S // G)]
+
+
+def _by_expert(expert_idx: torch.Tensor, E: int, device) -> tuple[torch.Tensor, list]:
+    """(the pairs with an id in [0, E), stably sorted by expert; their count per expert, a host list).
+    Ids outside [0, E) sort past the last expert and are cut off: their pairs belong to no expert."""
+    idx = expert_idx.to(device=device, dtype=torch.int64).reshape(-1)  # pair p = t * S + s
+    key = torch.where((idx >= 0) & (idx < E), idx, E)
+    counts = torch.bincount(key, minlength=E + 1).tolist()[:E]
+    return torch.sort(key, stable=True).indices[:sum(counts)], counts
+
+
+def torch_expert_matmul(x, expert_idx, weight, *, gates=None, out_groups=None, check=True):
     """Pairs sorted by expert, one GEMM per expert, scattered back: fp32 math (fp64 for fp64 x),
-    differentiable in x, weight and gates. Returns y [T, G_out, d_out] in x's dtype."""
+    differentiable in x, weight and gates. Returns y [T, G_out, d_out] in x's dtype.
+    check: ids outside [0, E) raise ValueError (one more host sync); False drops their pairs, as
+    route(check=False) does."""
     T, S = expert_idx.shape
     E, d_in, d_out = weight.shape
-    G_in, G_out = _groups(S, x.dim(), tuple(x.shape), out_groups)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    _, G_out = _groups(S, x.dim(), tuple(x.shape), out_groups)
+    acc = _acc(x.dtype)
     dev = x.device
-    idx = expert_idx.to(device=dev, dtype=torch.int64).reshape(-1)  # pair p = t * S + s
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= E):
-        raise ValueError(f"expert_idx values must lie in [0, {E}), got range [{int(idx.min())}, {int(idx.max())}]")
-    pair = torch.arange(T * S, device=dev)
-    token, slot = pair // S, pair % S
-    rows = x.to(acc).reshape(T * G_in, d_in)[token * G_in + slot // (S // G_in)]  # [P, d_in]
-    order = torch.sort(idx, stable=True).indices
-    counts = torch.bincount(idx, minlength=E).tolist()
+    if check and expert_idx.numel() and (int(expert_idx.min()) < 0 or int(expert_idx.max()) >= E):
+        raise ValueError(f"expert_idx values must lie in [0, {E}), got range "
+                         f"[{int(expert_idx.min())}, {int(expert_idx.max())}]")
+    rows = _pair_rows(x, S, acc)  # [P, d_in]
+    order, counts = _by_expert(expert_idx, E, dev)
     w = weight.to(acc)
     pieces = [rows[sel] @ w[e] for e, sel in enumerate(torch.split(order, counts)) if counts[e]]
     out_sorted = torch.cat(pieces) if pieces else rows.new_zeros(0, d_out)
@@ -78,6 +98,23 @@ def torch_expert_matmul(x, expert_idx, weight, *, gates=None, out_groups=None):
         out = out * gates.to(acc).reshape(-1, 1)
     y = out.reshape(T, G_out, S // G_out, d_out).sum(2)
     return y.to(x.dtype)
+
+
+def torch_expert_matmul_dweight(x, expert_idx, dy, num_experts: int, *, gates=None):
+    """d weight of torch_expert_matmul (ids outside [0, E) dropped) for the upstream gradient dy
+    [T, G_out, d_out]: [E, d_in, d_out] in fp32 (fp64 for fp64 x), expert e's input rows times their
+    gated rows of dy, summed over its pairs; zero for an expert with no pairs."""
+    S = expert_idx.shape[1]
+    acc = _acc(x.dtype)
+    rows, dout = _pair_rows(x, S, acc), _pair_rows(dy, S, acc)
+    if gates is not None:
+        dout = dout * gates.to(acc).reshape(-1, 1)
+    order, counts = _by_expert(expert_idx, num_experts, x.device)
+    dw = rows.new_zeros(num_experts, rows.shape[1], dout.shape[1])
+    for e, sel in enumerate(torch.split(order, counts)):
+        if counts[e]:
+            dw[e] = rows[sel].T @ dout[sel]
+    return dw
 
 
 # ---------------------------------------------------------------- test problems
