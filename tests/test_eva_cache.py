@@ -92,22 +92,33 @@ def test_long_decode_fills_many_chunks(backend, window):
                                 summaries="mean", bias="log_count", scale=None, dtype=torch.float32, seed=1))
 
 
-def test_state_after_prefill():
-    """Summaries of the completed chunks, ring rows at position % R, lengths: as the design says."""
-    B, Hkv, D, P, C, W = 2, 1, 4, 11, 2, 4
-    k, v = torch.randn(B, Hkv, P, D), torch.randn(B, Hkv, P, D)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("P, lengths", [(11, [11, 6]), (11, None), (3, None)])
+def test_state_after_prefill(backend, P, lengths):
+    """Summaries of the completed chunks, ring rows at position % R, lengths: as the design says (the
+    kernel backends write them in one launch)."""
+    B, Hkv, D, C, W = 2, 2, 4, 2, 4
+    g = torch.Generator().manual_seed(P)
+    k, v = (torch.randn(B, Hkv, P, D, generator=g).to(DEVICE) for _ in range(2))
     cache = EvaCache(B, Hkv, D, chunk_size=C, window_size=W, window="sliding", max_seq_len=20, dtype=torch.float32,
-                     backend="reference")
-    cache.prefill(torch.randn(B, Hkv, P, D), k, v, lengths=torch.tensor([11, 6]))
+                     device=DEVICE, backend=backend)
+    cache.k.fill_(float("nan"))  # poisoned: a row the prefill should write and did not shows
+    cache.v.fill_(float("nan"))
+    given = None if lengths is None else torch.tensor(lengths, device=DEVICE)
+    cache.prefill(torch.randn(B, Hkv, P, D, generator=g).to(DEVICE), k, v, lengths=given)
     S, R = cache.num_summaries, cache.ring_size
     assert (S, R) == (10, 5)
     ks, vs = numpy_chunk_summaries(k, v, C)
-    assert rel_error(cache.summaries[0][0, :, :5], ks[0, :, :5]) < 1e-6
-    assert rel_error(cache.summaries[1][1, :, :3], vs[1, :, :3]) < 1e-6
-    for b, L in ((0, 11), (1, 6)):
+    Ls = lengths or [P] * B
+    for b, L in enumerate(Ls):
+        done = L // C  # completed chunks
+        assert rel_error(cache.summaries[0][b, :, :done], ks[b, :, :done]) < 1e-6
+        assert rel_error(cache.summaries[1][b, :, :done], vs[b, :, :done]) < 1e-6
         for pos in range(max(0, L - R), L):
             assert torch.equal(cache.k[b, :, S + pos % R], k[b, :, pos])
-    assert cache.lengths.tolist() == [11, 6]
+            assert torch.equal(cache.v[b, :, S + pos % R], v[b, :, pos])
+        assert not cache.k[b, :, S:S + R].isnan().any()  # rows of no position hold finite values
+    assert cache.lengths.tolist() == Ls
 
 
 def test_nbytes_is_the_compressed_size():

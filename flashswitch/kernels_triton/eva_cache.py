@@ -1,5 +1,5 @@
-"""The bookkeeping of one EvaCache decode step in Triton (the design: flashswitch/cache.py): two launches
-around op 1, or one with op 1's math inside.
+"""The bookkeeping of EvaCache in Triton (the design: flashswitch/cache.py): of a decode step, two launches
+around op 1 or one with op 1's math inside; of a prefill, one.
 
 All read each sequence's position t = lengths[b] on the device, so their launch arguments never
 change from token to token (CUDA-graph capturable, no host sync):
@@ -15,6 +15,9 @@ change from token to token (CUDA-graph capturable, no host sync):
 
 append's programs read t from gather_chunk's copy, not from lengths, so the one program that writes
 lengths[b] races no reader and the increment needs no launch of its own.
+
+  prefill       what a prefill leaves in the cache (op 1's summaries, the ring rows of the prompt's last
+                positions, lengths) in one launch after op 1 and op 2 ran on the prompt.
 
   step          both in one launch with op 1's math between them (its jit helpers,
                 kernels_triton/chunk_summaries.py), for caches whose op 1 runs in Triton anyway: the
@@ -207,6 +210,69 @@ def _step_kernel(k_ptr, v_ptr, bias_ptr, len_ptr, cnt_ptr, kn_ptr, vn_ptr, om_pt
         tl.store(cnt_ptr + b, 0)
 
 
+@triton.jit
+def _prefill_kernel(k_ptr, v_ptr, len_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, pl_ptr, P, Hkv, Nc, S, R, D,
+                    s_b, s_h, s_n, kp_b, kp_h, kp_n, vp_b, vp_h, vp_n, ks_b, ks_h, ks_n, vs_b, vs_h, vs_n,
+                    HAS_LENGTHS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [blk * BLOCK_J, +BLOCK_J) of the Nc + R a prefill writes for one (sequence, kv head): summary
+    slot j < Nc from op 1's output, ring row r = j - Nc from the latest prompt position p <= L - 1
+    with p = r (mod R) (position 0 where none is: a row its bias keeps off); lengths[b] = L."""
+    pid = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    b = pid // Hkv
+    h = pid - b * Hkv
+    if HAS_LENGTHS:
+        L = tl.load(pl_ptr + b).to(tl.int64)
+    else:
+        L = P.to(tl.int64)
+    if (h == 0) & (blk == 0):
+        tl.store(len_ptr + b, L)
+    j = blk * BLOCK_J + tl.arange(0, BLOCK_J)
+    d = tl.arange(0, BLOCK_D)
+    dmask = (d < D)[None, :]
+    is_sum = j < Nc
+    r = (j - Nc).to(tl.int64)
+    back = (L - 1 - r) % R
+    back = tl.where(back < 0, back + R, back)          # a floored modulo: L - 1 - r may be negative
+    pos = tl.maximum(L - 1 - back, 0)
+    ring = (j >= Nc) & (r < R)
+    dst = b * s_b + h * s_h + tl.where(is_sum, j, S + r)[:, None] * s_n + d[None, :]
+    smask = is_sum[:, None] & dmask
+    rmask = ring[:, None] & dmask
+    js = j.to(tl.int64)[:, None]
+    ksum = tl.load(ks_ptr + b * ks_b + h * ks_h + js * ks_n + d[None, :], mask=smask)
+    vsum = tl.load(vs_ptr + b * vs_b + h * vs_h + js * vs_n + d[None, :], mask=smask)
+    kr = tl.load(kp_ptr + b * kp_b + h * kp_h + pos[:, None] * kp_n + d[None, :], mask=rmask)
+    vr = tl.load(vp_ptr + b * vp_b + h * vp_h + pos[:, None] * vp_n + d[None, :], mask=rmask)
+    tl.store(k_ptr + dst, tl.where(is_sum[:, None], ksum, kr), mask=smask | rmask)
+    tl.store(v_ptr + dst, tl.where(is_sum[:, None], vsum, vr), mask=smask | rmask)
+
+
+def prefill(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, k_prompt: torch.Tensor, v_prompt: torch.Tensor,
+            k_sum: torch.Tensor, v_sum: torch.Tensor, prompt_lengths: Optional[torch.Tensor], *,
+            num_summaries: int, ring_size: int) -> None:
+    """What a prefill leaves in the cache buffers k, v [B, Hkv, S + R + 1, D] and lengths int64 [B], in one
+    launch: the Nc summaries k_sum, v_sum [B, Hkv, Nc, D] in slots [0, Nc), each ring row the latest
+    position of the prompt k_prompt, v_prompt [B, Hkv, P, D] that maps to it, lengths = prompt_lengths
+    ([B] ints on the device, each <= P) or P."""
+    B, Hkv, P, D = k_prompt.shape
+    Nc, S, R = k_sum.shape[2], int(num_summaries), int(ring_size)
+    if k.stride() != v.stride() or k.stride(-1) != 1 or lengths.stride(0) != 1:
+        raise ValueError("the cache buffers must share strides with unit last strides")
+    if B * Hkv == 0 or P == 0:
+        lengths.zero_()
+        return
+    BLOCK_D = next_pow2(D)
+    BLOCK_J = max(1, min(next_pow2(Nc + R), MAX_TILE // BLOCK_D))
+    pl = lengths if prompt_lengths is None else prompt_lengths
+    _prefill_kernel[(B * Hkv, triton.cdiv(Nc + R, BLOCK_J))](
+        k, v, lengths, k_prompt, v_prompt, k_sum, v_sum, pl, P, Hkv, Nc, S, R, D,
+        k.stride(0), k.stride(1), k.stride(2), *k_prompt.stride()[:3], *v_prompt.stride()[:3],
+        *k_sum.stride()[:3], *v_sum.stride()[:3],
+        HAS_LENGTHS=prompt_lengths is not None, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D,
+        num_warps=4 if BLOCK_J * BLOCK_D >= 1024 else 1)
+
+
 def _check_cache(k, v, bias, lengths):
     if v.stride() != k.stride() or k.stride(-1) != 1 or bias.stride(-1) != 1 or lengths.stride(0) != 1:
         raise ValueError("the cache buffers must share strides with unit last strides")
@@ -294,4 +360,4 @@ def step(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, lengths: torch.Te
         BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=4)
 
 
-__all__ = ["gather_chunk", "append", "step"]
+__all__ = ["gather_chunk", "append", "step", "prefill"]
