@@ -1,15 +1,25 @@
 """MLP widths aligned for Hopper's GEMMs (flashswitch.nn.models: d_ff_multiple_of rounds the width,
-d_ff_pad_multiple stores the paper's width padded with zero units).
+d_ff_pad_multiple stores the paper's width padded with zero units) and the script that measures the
+GEMMs (bench/tools/gemm_align.py).
 
 The padded model is the unpadded one: same loss and gradients (fp32, reference backend), the padding's
 gradients exactly zero and its weights still zero after AdamW steps with weight decay, checkpoints in
-the logical shapes either way. The rounded model has the rounded width and its MACs.
+the logical shapes either way. The rounded model has the rounded width and its MACs. The script's
+--smoke run (tiny shapes on the CPU) writes its JSON and table, and its padded layout multiplies the
+same numbers as the contiguous one.
 """
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from conftest import DEVICE
 from flashswitch.nn import models
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "tools"))
+import gemm_align  # noqa: E402
 
 # d_ff 37: rows of 148 fp32 / 74 bf16 bytes, padded to 40
 TINY = dict(vocab_size=40, d_model=24, n_layers=2, context=8, dropout=0.0, d_ff=37, backend="reference")
@@ -140,3 +150,34 @@ def test_mlp_align_options():
 def test_bad_arguments_name_the_argument(make, name):
     with pytest.raises((ValueError, TypeError), match=name):
         make()
+
+
+# ---------------------------------------------------------------- bench/tools/gemm_align.py
+def test_gemm_align_widths_and_kernel_classes():
+    assert gemm_align.default_widths("262M") == [4096, 4110, 4112, 4188, 4192]
+    assert gemm_align.default_widths("47M") == [2048, 2053, 2056, 2080]
+    for name, cls in (("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "hopper"),
+                      ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "hopper"),
+                      ("cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align2", "ampere"),
+                      ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn", "ampere"),
+                      ("void at::native::vectorized_elementwise_kernel<4>", "other")):
+        assert gemm_align.kernel_class(name) == cls, name
+    t = torch.arange(12.0).view(3, 4)
+    v = gemm_align.place(t, 8)
+    assert torch.equal(v, t) and v.stride() == (8, 1)
+
+
+def test_gemm_align_smoke(tmp_path):
+    assert gemm_align.main(["--smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "gemm_align.json").read_text())
+    assert data["smoke"] and data["device"] == "cpu" and data["commit"] is not None and data["date"]
+    layouts = [(s["d_ff"], s["layout"], s["ld"]) for s in data["widths"]]
+    assert layouts == [(32, "contiguous", 32), (37, "contiguous", 37), (37, "padded", 40), (40, "contiguous", 40)]
+    assert len(data["rows"]) == 6 * len(layouts)
+    for r in data["rows"]:
+        assert r["ms"] > 0 and r["flops"] == 2 * 40 * 24 * r["d_ff"] and r["kernels"] == ["aten::mm"], r
+        if r["layout"] == "padded":
+            assert r["rel_diff_vs_contiguous"] <= gemm_align.MAX_REL_DIFF, r
+    assert [m["d_ff_round"] for m in data["macs"]] == [4112, 4192]
+    md = (tmp_path / "gemm_align.md").read_text()
+    assert "| 37 | padded | 80 |" in md and "smoke run" in md and "| 262M | dense | 4110 | 4112 |" in md
