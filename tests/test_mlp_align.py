@@ -181,3 +181,14 @@ def test_gemm_align_smoke(tmp_path):
     assert [m["d_ff_round"] for m in data["macs"]] == [4112, 4192]
     md = (tmp_path / "gemm_align.md").read_text()
     assert "| 37 | padded | 80 |" in md and "smoke run" in md and "| 262M | dense | 4110 | 4112 |" in md
+
+
+@pytest.mark.gpu
+def test_gemm_align_on_gpu(tmp_path):
+    """A short GPU run: every GEMM timed, its CUDA kernels named and classed, the padded layout's
+    outputs those of the contiguous one."""
+    assert gemm_align.main(["--tokens", "512", "--d-ff", "64", "68", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "gemm_align.json").read_text())
+    assert data["device"] != "cpu" and data["roof"]["TFLOPs"] > 0 and len(data["rows"]) == 18
+    for r in data["rows"]:
+        assert r["ms"] > 0 and r["kernels"] and r["kernel_class"] in ("hopper", "ampere", "other"), r
