@@ -17,8 +17,10 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -129,6 +131,19 @@ def _case_info(spec: registry.OpSpec, backend: str, shape: dict, dtype: str, lab
     if label:
         info["label"] = label
     return info
+
+
+def time_ms(fn, gpu: bool) -> float:
+    """do_bench's median on a GPU; on the CPU (smoke runs) the median wall clock of a few calls, a number
+    that means nothing but shows the code path ran."""
+    if gpu:
+        return bench_ms(fn, warmup=25, rep=100)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def rotating_ms(fns, reps: int = 200) -> float:

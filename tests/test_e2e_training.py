@@ -200,6 +200,25 @@ def test_e2e_training_script(tmp_path):
     assert (tmp_path / "e2e_training.png").stat().st_size > 0
 
 
+def test_e2e_training_mlp_align_rows_kept_apart(tmp_path):
+    """--mlp-align runs merge beside the paper widths' rows (a stored row without the field counts as
+    "none" and is replaced); pad stores the MLP wider with the paper's MACs, round adds MACs."""
+    common = ["--sizes", "tiny", "--variants", "dense", "--impls", "flashswitch", "--seq-lens", "8", "--tokens", "16",
+              "--steps", "1", "--warmup", "0", "--parts", "models", "--mlp-multiple", "48", "--out", str(tmp_path)]
+    (tmp_path / "e2e_training.json").write_text(json.dumps({"models": [
+        {"size": "tiny", "variant": "dense", "impl": "flashswitch", "seq_len": 8, "tokens": 16, "ms": 1.0}]}))
+    for mode in models.MLP_ALIGN:
+        assert e2e_training.main(common + ["--mlp-align", mode]) == 0
+    data = json.loads((tmp_path / "e2e_training.json").read_text())
+    rows = {r["mlp_align"]: r for r in data["models"]}
+    assert len(data["models"]) == 3 and all(rows[m]["ms"] != 1.0 for m in rows)
+    assert {m: rows[m]["d_ff_stored"] for m in rows} == {"none": 64, "pad": 96, "round": 96}
+    assert rows["pad"]["macs_per_token"] == rows["none"]["macs_per_token"] < rows["round"]["macs_per_token"]
+    assert rows["pad"]["params"] == rows["none"]["params"] < rows["round"]["params"]
+    md = (tmp_path / "e2e_training.md").read_text()
+    assert all(f"| tiny | 8 | 2 | dense | flashswitch | {m} |" in md for m in models.MLP_ALIGN)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU run: no device's results")
 def test_e2e_scripts_without_gpu_write_nothing_unasked(tmp_path, capsys):
     """On the CPU without --out both scripts print their tables and write no file (they wrote a

@@ -211,15 +211,18 @@ def default_out_dir(device):
     return BENCH_DIR / "results" / device_slug(env_info(device)["device"])
 
 
-def merge_json(path: Path, sections: dict[str, list[dict]], keys: dict[str, tuple], header: dict) -> dict:
+def merge_json(path: Path, sections: dict[str, list[dict]], keys: dict[str, tuple], header: dict,
+               defaults: dict[str, dict] | None = None) -> dict:
     """Merge `sections` ({name: rows}) into the JSON at `path`: a new row replaces the stored row with the
-    same values of keys[name], other stored rows stay (so a run split by flags adds up). Returns the
-    merged data, also written to `path`."""
+    same values of keys[name], other stored rows stay (so a run split by flags adds up). defaults[name]
+    fills the fields a stored row lacks (rows written before a key field existed). Returns the merged
+    data, also written to `path`."""
     path = Path(path)
     data = json.loads(path.read_text()) if path.exists() else {}
     for name, rows in sections.items():
         key = keys[name]
-        kept = {tuple(r.get(k) for k in key): r for r in data.get(name, [])}
+        fill = (defaults or {}).get(name, {})
+        kept = {tuple(r.get(k) for k in key): r for r in ({**fill, **r} for r in data.get(name, []))}
         for r in rows:
             kept[tuple(r.get(k) for k in key)] = r
         data[name] = list(kept.values())

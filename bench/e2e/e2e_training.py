@@ -21,6 +21,10 @@ next to the eager time a plain loop pays.
 Both parts run every --impls: "flashswitch" (the library's layers), "paper" (attention as the paper's
 code writes it: a boolean causal mask given to SDPA, torch.cat for rotary and heads;
 bench/e2e/paper_attention.py), "paper_torch" (paper-style attention, every op on the PyTorch reference).
+--mlp-align: the dense MLP's width as the paper gives it ("none"), the paper's width with its weights stored
+padded with zero units to a multiple of --mlp-multiple ("pad": the same model, every GEMM row 16-byte aligned
+for Hopper's kernels at multiple 8), or d_ff rounded up to that multiple ("round": a few more MACs); rows of
+each choice are kept apart (flashswitch.nn.models, bench/tools/gemm_align.py).
 A case that fails (out of memory, an op that cannot run) is recorded with its error and the run goes on.
 """
 from __future__ import annotations
@@ -40,14 +44,16 @@ from flashswitch.nn.switchhead import SwitchHeadAttention  # noqa: E402
 from paper_attention import to_paper_style  # noqa: E402
 
 NAME = "e2e_training"
-KEYS = {"models": ("size", "variant", "impl", "seq_len", "tokens"),
+KEYS = {"models": ("size", "variant", "impl", "mlp_align", "seq_len", "tokens"),
         "layers": ("size", "layer", "impl", "seq_len", "tokens"),
-        "macs": ("size", "variant", "seq_len")}
+        "macs": ("size", "variant", "mlp_align", "seq_len")}
+# rows written before --mlp-align existed ran the paper's widths
+DEFAULTS = {"models": {"mlp_align": "none"}, "macs": {"mlp_align": "none"}}
 GiB = float(1 << 30)
 
 
 # ---------------------------------------------------------------- MACs
-def mac_rows(sizes, seq_lens) -> list[dict]:
+def mac_rows(sizes, seq_lens, mlp_align: str = "none", multiple: int = models.ALIGN_ELEMENTS) -> list[dict]:
     """MACs per token of one forward pass per (size, variant, T), whole model and attention layers alone
     (models built on the meta device), and the ideal speedup over dense."""
     rows = []
@@ -55,10 +61,11 @@ def mac_rows(sizes, seq_lens) -> list[dict]:
         for T in seq_lens:
             per = {}
             for v in models.VARIANTS:
-                m = E.build(size, v, device="meta")
+                m = E.build(size, v, device="meta", **models.mlp_align(mlp_align, multiple))
                 per[v] = (m.macs_per_token(T), sum(b.att.macs_per_token(T) for b in m.blocks))
             for v in models.VARIANTS:
-                rows.append({"size": size, "variant": v, "seq_len": T, "macs_per_token": per[v][0],
+                rows.append({"size": size, "variant": v, "mlp_align": mlp_align, "seq_len": T,
+                             "macs_per_token": per[v][0],
                              "attention_macs_per_token": per[v][1],
                              "ideal_speedup": per["dense"][0] / per[v][0],
                              "attention_ideal_speedup": per["dense"][1] / per[v][1]})
@@ -83,10 +90,11 @@ def model_rows(args, device) -> list[dict]:
         for variant in args.variants:
             for impl in args.impls:
                 E.free_memory(device)
-                base = {"size": size, "variant": variant, "impl": impl, **env}
+                base = {"size": size, "variant": variant, "impl": impl, "mlp_align": args.mlp_align, **env}
                 try:
                     torch.manual_seed(0)
-                    model = E.build(size, variant, impl, device=device)
+                    model = E.build(size, variant, impl, device=device,
+                                    **models.mlp_align(args.mlp_align, args.mlp_multiple))
                     opt = E.make_optimizer(model)
                 except Exception as err:  # noqa: BLE001 (recorded, the run goes on)
                     rows += [_failure({**base, "seq_len": T, "tokens": args.tokens}, err) for T in args.seq_lens]
@@ -95,6 +103,7 @@ def model_rows(args, device) -> list[dict]:
                 for T in args.seq_lens:
                     B = max(1, args.tokens // T)
                     row = {**base, "seq_len": T, "batch": B, "tokens": args.tokens, "params": params,
+                           "d_ff_stored": _stored_width(model),
                            "macs_per_token": model.macs_per_token(T), "fused_adamw": bool(opt.defaults.get("fused"))}
                     try:
                         E.free_memory(device)
@@ -112,7 +121,8 @@ def model_rows(args, device) -> list[dict]:
                                    model_TFLOPs=6 * row["macs_per_token"] * B * T / (med * 1e-3) / 1e12)
                         if torch.device(device).type == "cuda":
                             row["peak_GiB"] = torch.cuda.max_memory_allocated() / GiB
-                        print(f"{size:>5} {variant:>10} {impl:>11} T={T:<5} B={B:<3} {med:9.2f} ms/step "
+                        print(f"{size:>5} {variant:>10} {impl:>11} MLP {args.mlp_align:<5} T={T:<5} B={B:<3} "
+                              f"{med:9.2f} ms/step "
                               f"{row['tokens_per_s'] / 1e3:9.1f} k tok/s  peak {row.get('peak_GiB', 0):6.2f} GiB",
                               flush=True)
                         if args.graph:
@@ -124,6 +134,12 @@ def model_rows(args, device) -> list[dict]:
                 del model, opt
     E.free_memory(device)
     return rows
+
+
+def _stored_width(model) -> int | None:
+    """The hidden width of the dense MLP's weights as stored (padding included); None for sigma-MoE."""
+    mlp = model.blocks[0].mlp
+    return mlp.up.shape[0] if isinstance(mlp, models.DenseMLP) else None
 
 
 def _graphed_model_step(model, batches, amp, args, device) -> dict:
@@ -243,6 +259,14 @@ def _index(rows, *keys):
     return {tuple(r.get(k) for k in keys): r for r in rows if r.get("ms") is not None}
 
 
+def _filled(data: dict, name: str) -> list[dict]:
+    return [{**DEFAULTS.get(name, {}), **r} for r in data.get(name, [])]
+
+
+def _mlp(r: dict) -> int:
+    return models.MLP_ALIGN.index(r["mlp_align"]) if r["mlp_align"] in models.MLP_ALIGN else 9
+
+
 def _graph_cells(r: dict, dense) -> str:
     """The graph-captured time and its speedup over dense's ("-" where not measured)."""
     g = r.get("graph_ms")
@@ -253,43 +277,50 @@ def _graph_cells(r: dict, dense) -> str:
 
 
 def markdown(data: dict) -> str:
-    macs, mrows, lrows = data.get("macs", []), data.get("models", []), data.get("layers", [])
+    macs, mrows, lrows = _filled(data, "macs"), _filled(data, "models"), data.get("layers", [])
     out = [f"# End-to-end training speed ({data.get('device', '?')})", "",
            f"torch {data.get('torch')}, triton {data.get('triton')}, CUDA {data.get('cuda')}; last run: "
            f"{E.provenance_line(data)}. Command and what each column means: `bench/e2e/e2e_training.py --help`.", ""]
     if macs:
         out += ["## MACs per token (forward) and the speedup over dense that MAC-proportional kernels reach", "",
-                "| size | T | variant | MMAC/token | attention MMAC/token | ideal speedup | attention ideal speedup |",
-                "|---|---|---|---|---|---|---|"]
-        for r in sorted(macs, key=lambda r: (_size(r["size"]), r["seq_len"], models.VARIANTS.index(r["variant"]))):
-            out.append(f"| {r['size']} | {r['seq_len']} | {r['variant']} | {r['macs_per_token'] / 1e6:.4g} | "
+                "| size | T | variant | MLP | MMAC/token | attention MMAC/token | ideal speedup | attention ideal "
+                "speedup |", "|---|---|---|---|---|---|---|---|"]
+        for r in sorted(macs, key=lambda r: (_size(r["size"]), r["seq_len"], _mlp(r),
+                                             models.VARIANTS.index(r["variant"]))):
+            out.append(f"| {r['size']} | {r['seq_len']} | {r['variant']} | {r['mlp_align']} | "
+                       f"{r['macs_per_token'] / 1e6:.4g} | "
                        f"{r['attention_macs_per_token'] / 1e6:.4g} | {r['ideal_speedup']:.2f}x | "
                        f"{r['attention_ideal_speedup']:.2f}x |")
         out += ["", "ideal speedup: dense MACs / variant MACs per token (whole model, output layer included; "
                 "attention: the attention layers alone). A training step costs about 3x the forward MACs.", ""]
     if mrows:
-        idx = _index(mrows, "size", "variant", "impl", "seq_len", "tokens")
-        ideal = {(r["size"], r["variant"], r["seq_len"]): r["ideal_speedup"] for r in macs}
+        idx = _index(mrows, "size", "variant", "impl", "mlp_align", "seq_len", "tokens")
+        ideal = {(r["size"], r["variant"], r["seq_len"], r["mlp_align"]): r["ideal_speedup"] for r in macs}
         out += [f"## Training step (forward + backward + AdamW), autocast {data.get('amp')}", "",
                 "speedup vs dense: dense step time / this step time, same size, T and impl; % of ideal: that "
                 "speedup over the MAC ratio; vs paper: the paper-style step time of the same variant / this one. "
                 "model TFLOP/s: 6 x forward MACs per token x tokens / step time.", "",
                 "graph: the same step captured in a CUDA graph (no host work per op), and its speedup over "
                 "dense's graph-captured step.", "",
-                "| size | T | B | variant | impl | step ms | k tokens/s | peak GiB | model TFLOP/s | ideal speedup "
-                "| speedup vs dense | % of ideal | vs paper | graph step ms | graph speedup vs dense |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "MLP: the dense MLP's width (--mlp-align): none = the paper's d_ff; pad = the paper's d_ff, weights "
+                "stored with zero units to an aligned width (the same model); round = d_ff rounded up. Each row is "
+                "compared with dense of the same MLP choice.", "",
+                "| size | T | B | variant | impl | MLP | step ms | k tokens/s | peak GiB | model TFLOP/s "
+                "| ideal speedup | speedup vs dense | % of ideal | vs paper | graph step ms | graph speedup vs dense |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         order = {v: i for i, v in enumerate(models.VARIANTS)}
-        for r in sorted(mrows, key=lambda r: (_size(r["size"]), r["seq_len"], order.get(r["variant"], 9),
+        for r in sorted(mrows, key=lambda r: (_size(r["size"]), r["seq_len"], _mlp(r),
+                                              order.get(r["variant"], 9),
                                               E.IMPLS.index(r["impl"]) if r["impl"] in E.IMPLS else 9)):
-            head = f"| {r['size']} | {r['seq_len']} | {r.get('batch', '-')} | {r['variant']} | {r['impl']} |"
+            head = (f"| {r['size']} | {r['seq_len']} | {r.get('batch', '-')} | {r['variant']} | {r['impl']} | "
+                    f"{r['mlp_align']} |")
             if r.get("ms") is None:
                 out.append(f"{head} {r.get('error', 'not run')} | | | | | | | | | |")
                 continue
-            dense = idx.get((r["size"], "dense", r["impl"], r["seq_len"], r["tokens"]))
-            paper = idx.get((r["size"], r["variant"], "paper", r["seq_len"], r["tokens"]))
+            dense = idx.get((r["size"], "dense", r["impl"], r["mlp_align"], r["seq_len"], r["tokens"]))
+            paper = idx.get((r["size"], r["variant"], "paper", r["mlp_align"], r["seq_len"], r["tokens"]))
             sp = dense["ms"] / r["ms"] if dense else None
-            ide = ideal.get((r["size"], r["variant"], r["seq_len"]))
+            ide = ideal.get((r["size"], r["variant"], r["seq_len"], r["mlp_align"]))
             vs_paper = paper["ms"] / r["ms"] if paper and r["impl"] != "paper" else None
             out.append(f"{head} {r['ms']:.2f} | {r['tokens_per_s'] / 1e3:.1f} | {_f(r.get('peak_GiB'), '.2f')} | "
                        f"{r['model_TFLOPs']:.1f} | {_f(ide, '.2f', 'x')} | {_f(sp, '.2f', 'x')} | "
@@ -319,7 +350,7 @@ def markdown(data: dict) -> str:
 
 def plot(data: dict, out: Path) -> bool:
     """Per size: tokens/s against T (top) and the speedup over dense against the MAC ratio (bottom)."""
-    rows = [r for r in data.get("models", []) if r.get("ms") is not None]
+    rows = [r for r in _filled(data, "models") if r.get("ms") is not None]
     sizes = [s for s in E.SIZES if any(r["size"] == s for r in rows)]
     if not sizes:
         return False
@@ -327,22 +358,26 @@ def plot(data: dict, out: Path) -> bool:
     fig, axes = plt.subplots(2, len(sizes), figsize=(6.5 * len(sizes), 8), squeeze=False)
     colors = {"dense": "tab:gray", "switchhead": "tab:blue", "switchall": "tab:orange"}
     styles = {"flashswitch": "-", "paper": "--", "paper_torch": ":"}
-    ideal = {(r["size"], r["variant"], r["seq_len"]): r["ideal_speedup"] for r in data.get("macs", [])}
-    idx = _index(rows, "size", "variant", "impl", "seq_len", "tokens")
+    ideal = {(r["size"], r["variant"], r["seq_len"]): r["ideal_speedup"] for r in _filled(data, "macs")
+             if r["mlp_align"] == "none"}  # the MLP choices move it by < 0.1 %
+    idx = _index(rows, "size", "variant", "impl", "mlp_align", "seq_len", "tokens")
+    markers = {"none": "o", "pad": "s", "round": "^"}
     for col, size in enumerate(sizes):
         top, bottom = axes[0][col], axes[1][col]
-        for (variant, impl) in sorted({(r["variant"], r["impl"]) for r in rows if r["size"] == size}):
-            rs = sorted((r for r in rows if (r["size"], r["variant"], r["impl"]) == (size, variant, impl)),
-                        key=lambda r: r["seq_len"])
+        for (variant, impl, mlp) in sorted({(r["variant"], r["impl"], r["mlp_align"]) for r in rows
+                                            if r["size"] == size}):
+            rs = sorted((r for r in rows if (r["size"], r["variant"], r["impl"], r["mlp_align"]) ==
+                         (size, variant, impl, mlp)), key=lambda r: r["seq_len"])
             xs = [r["seq_len"] for r in rs]
-            kw = dict(color=colors.get(variant), linestyle=styles.get(impl, "-"), marker="o")
-            top.plot(xs, [r["tokens_per_s"] / 1e3 for r in rs], label=f"{variant} {impl}", **kw)
+            kw = dict(color=colors.get(variant), linestyle=styles.get(impl, "-"), marker=markers.get(mlp, "x"))
+            label = f"{variant} {impl}" + ("" if mlp == "none" else f" MLP {mlp}")
+            top.plot(xs, [r["tokens_per_s"] / 1e3 for r in rs], label=label, **kw)
             if variant == "dense":
                 continue
-            pts = [(r["seq_len"], idx[(size, "dense", impl, r["seq_len"], r["tokens"])]["ms"] / r["ms"]) for r in rs
-                   if (size, "dense", impl, r["seq_len"], r["tokens"]) in idx]
+            keys = [(size, "dense", impl, mlp, r["seq_len"], r["tokens"]) for r in rs]
+            pts = [(r["seq_len"], idx[k]["ms"] / r["ms"]) for r, k in zip(rs, keys) if k in idx]
             if pts:
-                bottom.plot(*zip(*pts), label=f"{variant} {impl}", **kw)
+                bottom.plot(*zip(*pts), label=label, **kw)
         for variant in ("switchhead", "switchall"):
             pts = sorted((T, v) for (s, var, T), v in ideal.items() if s == size and var == variant)
             if pts:
@@ -394,9 +429,13 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-graph", dest="graph", action="store_false",
                    help="skip the CUDA-graph-captured timing of each step and layer (CUDA only)")
+    p.add_argument("--mlp-align", default="none", choices=models.MLP_ALIGN,
+                   help="the dense MLP's width: the paper's, padded storage, or rounded up (see above)")
+    p.add_argument("--mlp-multiple", type=int, default=models.ALIGN_ELEMENTS,
+                   help="the multiple --mlp-align pads or rounds d_ff to (8 bf16 = 16 bytes)")
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<device>/)")
     args = p.parse_args(argv)
-    for name in ("tokens", "steps"):
+    for name in ("tokens", "steps", "mlp_multiple"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if min(args.seq_lens + args.layer_seq_lens) < 1 or args.warmup < 0:
@@ -404,12 +443,13 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     args.graph = args.graph and device.type == "cuda"
     folder = args.out or E.default_out_dir(device)
-    sections = {"macs": mac_rows(args.sizes, args.seq_lens)}
+    sections = {"macs": mac_rows(args.sizes, args.seq_lens, args.mlp_align, args.mlp_multiple)}
     if "models" in args.parts:
         sections["models"] = model_rows(args, device)
     if "layers" in args.parts:
         sections["layers"] = layer_rows(args, device)
-        sections["macs"] += [r for r in mac_rows([args.layer_size], args.layer_seq_lens)
+        sections["macs"] += [r for r in mac_rows([args.layer_size], args.layer_seq_lens, args.mlp_align,
+                                                 args.mlp_multiple)
                              if r["size"] not in args.sizes or r["seq_len"] not in args.seq_lens]
     header = {**E.env_info(device), "amp": str(E.amp_dtype(device) or "none (fp32)").replace("torch.", ""),
               **E.provenance()}
@@ -417,7 +457,7 @@ def main(argv=None) -> int:
         print(markdown({**header, **sections}))
         print("a CPU run: not written (--out DIR keeps it)")
         return 1 if any(r.get("error") for part in ("models", "layers") for r in sections.get(part, [])) else 0
-    data = E.merge_json(folder / f"{NAME}.json", sections, KEYS, header)
+    data = E.merge_json(folder / f"{NAME}.json", sections, KEYS, header, DEFAULTS)
     for path in write_outputs(data, folder):
         print(f"wrote {path}")
     print(markdown(data))

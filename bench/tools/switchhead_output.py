@@ -24,9 +24,7 @@ import contextlib
 import json
 import os
 import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,7 +33,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: `import common`
-from common import bench_ms, device_name, env_info, provenance, provenance_line, results_dir  # noqa: E402
+from common import device_name, env_info, provenance, provenance_line, results_dir, time_ms  # noqa: E402
 from flashswitch.kernels_triton import switchhead_output as K  # noqa: E402
 from flashswitch.nn._routing import matmul_weight  # noqa: E402
 from flashswitch.nn.models import paper_config  # noqa: E402
@@ -115,17 +113,6 @@ def callables(p: dict, s: dict) -> dict:
     dense = (lambda: p["x"] @ p["w"], lambda: torch.autograd.grad(wx[0] @ wx[1], wx, p["dy"]))
     return {"fused": step(fused), "fused, W cast once": step(fused_cast), "fused, row scale": step(fused, "rows"),
             "fused, row scale, W cast once": step(fused_cast, "rows"), "op 3": step(op3), "dense (routed MACs)": dense}
-
-
-def time_ms(fn, gpu: bool) -> float:
-    if gpu:
-        return bench_ms(fn, warmup=25, rep=100)
-    times = []
-    for _ in range(3):  # the interpreter: a few wall-clock calls, numbers that mean nothing
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def best_configs() -> dict:

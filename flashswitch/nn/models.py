@@ -24,6 +24,15 @@ relative positions, so the models have no positional projection and count 44.5M 
 LayerNorm; untied output layer.
 Init: embeddings N(0, 1); every dense projection N(0, 1/fan_in) (the SwitchHead code's rule), expert
 layers as their modules document.
+
+MLP widths and Hopper: the paper's d_ff (4110, 4188, 2053) make bf16 rows that are not 16-byte aligned, which
+cuBLAS's TMA-based Hopper GEMMs need (bench/tools/gemm_align.py measures it; the 47M models' d_model 412 is
+unaligned too, which these options leave). Two ModelConfig options, both off by default so the paper's
+widths stay as published (`mlp_align(mode)` gives each one's overrides):
+  d_ff_multiple_of   d_ff rounded up, as Llama's configs round theirs: another model, a few more MACs
+                     (262M: 4110 -> 4112, +0.05 % of dense's MLP MACs; 4188 -> 4192, +0.1 %).
+  d_ff_pad_multiple  the paper's model itself, its MLP weights stored with zero hidden units up to the
+                     multiple (DenseMLP): same outputs and gradients, the state_dict in the paper's shapes.
 """
 from __future__ import annotations
 
@@ -41,6 +50,13 @@ from flashswitch.nn.switchhead import (ATTENTIONS, SwitchHeadAttention, attentio
 
 VARIANTS = ("dense", "switchhead", "switchall")
 SIZES = ("47M", "262M")
+# 16 bytes of bf16: the row alignment of Hopper's TMA-based GEMM kernels
+ALIGN_ELEMENTS = 8
+MLP_ALIGN = ("none", "pad", "round")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -66,14 +82,31 @@ class ModelConfig:
     eva_chunk_size: int = 64
     eva_window_size: int = 256
     backend: str = "auto"
+    d_ff_multiple_of: int = 1
+    d_ff_pad_multiple: int = 1
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "d_ff_multiple_of",
+                     "d_ff_pad_multiple"):
             check_positive(name, getattr(self, name))
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if not self.moe_experts and not self.d_ff:
             raise ValueError("d_ff must be >= 1 for a dense MLP (moe_experts = 0)")
+
+    @property
+    def mlp_width(self) -> int:
+        """The dense MLP's hidden units: d_ff rounded up to a multiple of d_ff_multiple_of."""
+        return round_up(self.d_ff, self.d_ff_multiple_of)
+
+
+def mlp_align(mode: str, multiple: int = ALIGN_ELEMENTS) -> dict:
+    """The ModelConfig overrides of an MLP alignment `mode`: "none" (d_ff as given), "pad" (d_ff as given,
+    the weights stored with zero units up to `multiple`), "round" (d_ff rounded up to `multiple`)."""
+    if mode not in MLP_ALIGN:
+        raise ValueError(f"mode must be one of {MLP_ALIGN}, got {mode!r}")
+    check_positive("multiple", multiple)
+    return {"none": {}, "pad": {"d_ff_pad_multiple": multiple}, "round": {"d_ff_multiple_of": multiple}}[mode]
 
 
 _PAPER = {
@@ -151,22 +184,66 @@ class DenseAttention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """ReLU MLP d -> d_ff -> d without biases (the dense baseline)."""
+    """ReLU MLP d -> d_ff -> d without biases (the dense baseline).
 
-    def __init__(self, embed_dim: int, d_ff: int, *, device=None, dtype=None):
+    pad_multiple: up [d_pad, d] and down [d, d_pad] with d_pad = d_ff rounded up to this multiple, the
+    d_pad - d_ff extra hidden units zero in both. The outputs and the real weights' gradients are the
+    unpadded layer's (zero products add nothing), the padding's gradients are exactly zero, so AdamW, SGD
+    and weight decay keep it zero (an optimizer that moves weights without a gradient would not: call
+    zero_padding_()). state_dict() and load_state_dict() use the logical [d_ff, d] and [d, d_ff] shapes,
+    so checkpoints move between padded and unpadded layers; macs_per_token counts d_ff.
+    """
+    # Whole zero-padded weights rather than a view of the logical shape: a view down[:, :d_ff] has aligned
+    # rows, but the hidden activations relu(x up^T) [T, d_ff] and their gradient (operands or outputs of
+    # four of the six GEMMs) would still be rows of d_ff elements, and autograd returns a strided view's
+    # weight gradient in another layout. With zero units every operand of every GEMM has aligned rows, for
+    # d_pad / d_ff - 1 extra MACs (262M: 0.05 % at 4110, 0.1 % at 4188).
+
+    def __init__(self, embed_dim: int, d_ff: int, *, pad_multiple: int = 1, device=None, dtype=None):
         super().__init__()
+        self.embed_dim = check_positive("embed_dim", embed_dim)
+        self.d_ff = check_positive("d_ff", d_ff)
+        pad = round_up(d_ff, check_positive("pad_multiple", pad_multiple)) - d_ff
         kw = dict(device=device, dtype=dtype)
-        self.up = nn.Parameter(torch.empty(d_ff, embed_dim, **kw))
-        self.down = nn.Parameter(torch.empty(embed_dim, d_ff, **kw))
-        with torch.no_grad():
-            self.up.normal_(0.0, embed_dim ** -0.5)
-            self.down.normal_(0.0, d_ff ** -0.5)
+        # drawn at the logical shapes, then padded: a seed gives the unpadded layer's weights
+        up = torch.empty(d_ff, embed_dim, **kw).normal_(0.0, embed_dim ** -0.5)
+        down = torch.empty(embed_dim, d_ff, **kw).normal_(0.0, d_ff ** -0.5)
+        self.up = nn.Parameter(F.pad(up, (0, 0, 0, pad)) if pad else up)
+        self.down = nn.Parameter(F.pad(down, (0, pad)) if pad else down)
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, d_ff={self.d_ff}, stored_d_ff={self.up.shape[0]}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.relu(F.linear(x, self.up)), self.down)
 
     def macs_per_token(self, seq_len: int = 0) -> float:
-        return 2 * self.up.shape[0] * self.up.shape[1]
+        return 2 * self.d_ff * self.embed_dim
+
+    def padding_numel(self) -> int:
+        """Stored elements beyond the logical weights (zeros)."""
+        return 2 * (self.up.shape[0] - self.d_ff) * self.embed_dim
+
+    def zero_padding_(self) -> None:
+        with torch.no_grad():
+            self.up[self.d_ff:].zero_()
+            self.down[:, self.d_ff:].zero_()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.padding_numel():  # views, no copy
+            destination[prefix + "up"] = destination[prefix + "up"][: self.d_ff]
+            destination[prefix + "down"] = destination[prefix + "down"][:, : self.d_ff]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        pad = self.up.shape[0] - self.d_ff
+        for name, dim in (("up", 0), ("down", 1)):
+            w = state_dict.get(prefix + name)
+            if pad and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[dim] == self.d_ff:
+                state_dict[prefix + name] = F.pad(w, (0, pad) if dim else (0, 0, 0, pad))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if pad:  # a tensor loaded in the stored shape may carry nonzero padding
+            self.zero_padding_()
 
 
 # ---------------------------------------------------------------- the model
@@ -193,7 +270,7 @@ class Block(nn.Module):
                                 expert_dropout=cfg.moe_expert_dropout, entropy_reg=cfg.moe_entropy_reg,
                                 backend=cfg.backend, **kw)
         else:
-            self.mlp = DenseMLP(d, cfg.d_ff, **kw)
+            self.mlp = DenseMLP(d, cfg.mlp_width, pad_multiple=cfg.d_ff_pad_multiple, **kw)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor):
@@ -259,4 +336,6 @@ class DecoderLM(nn.Module):
         return sum(b.macs_per_token(seq_len) for b in self.blocks) + self.config.vocab_size * self.config.d_model
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Parameters of the model's math: the zero units of padded MLP weights not counted."""
+        padding = sum(m.padding_numel() for m in self.modules() if isinstance(m, DenseMLP))
+        return sum(p.numel() for p in self.parameters()) - padding
