@@ -382,6 +382,9 @@ class LlamaLM(nn.Module):
         if not enable:
             self._regions = None
             return self
+        # static shapes: a new length compiles a graph of its own, whose bucket lookups and launch plans
+        # are constants (a dynamic graph would trace into them)
+        compile_kw.setdefault("dynamic", False)
         self._regions = (torch.compile(DecoderBlock.residual_forward, **compile_kw),
                          torch.compile(_loss_head, **compile_kw))
         return self
