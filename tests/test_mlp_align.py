@@ -134,9 +134,13 @@ def test_rounded_widths_and_macs():
 
 
 def test_mlp_align_options():
-    assert models.mlp_align("none") == {}
+    assert models.mlp_align("none") == {"d_ff_pad_multiple": 1}
     assert models.mlp_align("pad") == {"d_ff_pad_multiple": 8}
-    assert models.mlp_align("round", 64) == {"d_ff_multiple_of": 64}
+    assert models.mlp_align("round", 64) == {"d_ff_multiple_of": 64, "d_ff_pad_multiple": 1}
+    # the paper's configs store their MLP padded: the paper's widths on aligned GEMMs
+    cfg = models.paper_config("262M", "dense")
+    assert (cfg.d_ff, cfg.d_ff_pad_multiple) == (4110, 8)
+    assert models.paper_config("262M", "dense", **models.mlp_align("none")).d_ff_pad_multiple == 1
 
 
 @pytest.mark.parametrize("make, name", [

@@ -429,7 +429,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-graph", dest="graph", action="store_false",
                    help="skip the CUDA-graph-captured timing of each step and layer (CUDA only)")
-    p.add_argument("--mlp-align", default="none", choices=models.MLP_ALIGN,
+    p.add_argument("--mlp-align", default="pad", choices=models.MLP_ALIGN,
                    help="the dense MLP's width: the paper's, padded storage, or rounded up (see above)")
     p.add_argument("--mlp-multiple", type=int, default=models.ALIGN_ELEMENTS,
                    help="the multiple --mlp-align pads or rounds d_ff to (8 bf16 = 16 bytes)")
