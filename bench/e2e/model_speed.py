@@ -232,12 +232,12 @@ def cases(args):
                         yield name, mode, batch, seq_len, attention, impl
 
 
-def run(args, device) -> list[dict]:
+def run(args, device, commit=None) -> list[dict]:
     rows, built = [], {}
     for name, mode, batch, seq_len, attention, impl in cases(args):
         cfg = SMOKE_CFG if args.smoke else LLAMA_SHAPES[name]
         row = {"model": name, "mode": mode, "batch": batch, "seq_len": seq_len, "attention": attention,
-               "impl": impl, "ideal_speedup": ideal_speedup(cfg, seq_len, attention, logits=mode == "train",
+               "impl": impl, "commit": commit, "ideal_speedup": ideal_speedup(cfg, seq_len, attention, logits=mode == "train",
                                                  smoke=args.smoke, alone=mode == "attention")}
         print(f"{name} {mode} {batch}x{seq_len} {attention} {impl}", flush=True)
         key = (name, mode, attention, impl)
@@ -274,12 +274,14 @@ def _f(v, spec: str) -> str:
 
 
 def with_speedups(rows: list[dict]) -> list[dict]:
-    """Each row with `speedup`: the exact row's time of the same (model, mode, shape, impl) over its own."""
-    exact = {(r["model"], r["mode"], r["batch"], r["seq_len"], r["impl"]): r for r in rows
-             if r["attention"] == "sdpa" and r.get("ms")}
+    """Each row with `speedup`: the exact row's time of the same (model, mode, shape, impl) and commit (the
+    same run) over its own."""
+    def key(r):
+        return r["model"], r["mode"], r["batch"], r["seq_len"], r["impl"], r.get("commit")
+    exact = {key(r): r for r in rows if r["attention"] == "sdpa" and r.get("ms")}
     out = []
     for r in rows:
-        e = exact.get((r["model"], r["mode"], r["batch"], r["seq_len"], r["impl"]))
+        e = exact.get(key(r))
         out.append({**r, "speedup": e["ms"] / r["ms"] if e and r.get("ms") else None,
                     "graph_speedup": e["graph_ms"] / r["graph_ms"] if e and r.get("graph_ms")
                     and e.get("graph_ms") else None})
@@ -289,13 +291,14 @@ def with_speedups(rows: list[dict]) -> list[dict]:
 def markdown(data: dict) -> str:
     rows = with_speedups(data["rows"])
     out = [f"# Model speed: EVA against exact attention ({data.get('device')})", "",
-           f"{E.provenance_line(data)}; torch {data.get('torch')}, triton {data.get('triton')}. "
+           f"Latest run: {E.provenance_line(data)}; torch {data.get('torch')}, triton {data.get('triton')}; each row "
+           "names the commit it ran. "
            "`python bench/e2e/model_speed.py`. ms: median per call (CUDA events, host included); graph: the "
            "same call replayed from a CUDA graph; fwd ms: the attention op's forward alone; speedup: exact's ms over the row's (same impl), graph "
            "speedup likewise; ideal: exact's MACs per token over the row's; of ideal: speedup / ideal. "
            "Split: one call's GPU time by kernel family (torch profiler), host: ms minus the kernels' sum.", ""]
     head = ("| model | mode | B x T | attention | impl | ms | fwd ms | graph ms | speedup | graph speedup | ideal | "
-            "of ideal | " + " | ".join(SPLIT) + " |")
+            "of ideal | " + " | ".join(SPLIT) + " | commit |")
     out += [head, "|" + "---|" * (head.count("|") - 1)]
     order = {a: i for i, a in enumerate(ATTENTIONS)}
     modes = {m: i for i, m in enumerate(MODES)}
@@ -311,7 +314,7 @@ def markdown(data: dict) -> str:
         out.append(f"| {r['model']} | {r['mode']} | {shape} | {r['attention']} | {r['impl']} | {r['ms']:.2f} | "
                    f"{_f(r.get('fwd_ms'), '.2f')} | {_f(r.get('graph_ms'), '.2f')} | {_f(r.get('speedup'), '.2f')} | "
                    f"{_f(r.get('graph_speedup'), '.2f')} | {r['ideal_speedup']:.2f} | {_f(frac, '.2f')} | "
-                   + " | ".join(_f(split.get(f), ".1f") for f in SPLIT) + " |")
+                   + " | ".join(_f(split.get(f), ".1f") for f in SPLIT) + f" | {r.get('commit') or '-'} |")
     return "\n".join(out)
 
 
@@ -388,8 +391,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rows = run(args, args.device)
     header = {**E.env_info(args.device), **E.provenance()}
+    rows = run(args, args.device, header["commit"])  # each row its commit: runs split by flags merge
     folder = args.out or E.default_out_dir(args.device)
     if folder is None:
         print(markdown({**header, "rows": rows}))
