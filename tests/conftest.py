@@ -5,8 +5,10 @@ Profiles (HYPOTHESIS_PROFILE): "ci" (the CPU default: Triton interpreter, few sm
 clone gives the same result on every run. "explore" draws new examples each run (the default count of
 the device; `--hypothesis-seed N` repeats one), "fuzz" draws 2000 per test for long GPU runs; both
 print a failing example's reproduction blob. Without a GPU the Triton kernels run under
-TRITON_INTERPRET=1 on CPU tensors; CUDA/CuPy tests skip.
+TRITON_INTERPRET=1 on CPU tensors; CUDA/CuPy tests skip. A test whose asset (a model file, the corpus, a
+plotting package) is missing skips, or fails under FLASHSWITCH_REQUIRE_ASSETS=1 (CI): `missing_asset`.
 """
+import importlib
 import os
 
 import torch
@@ -75,6 +77,26 @@ def dtypes_here():
     if DEVICE == "cuda":
         return [torch.float32, torch.float16, torch.bfloat16]
     return [torch.float32, torch.float16]
+
+
+REQUIRE_ASSETS_ENV = "FLASHSWITCH_REQUIRE_ASSETS"  # CI sets it: ./fs installs every asset, so none may be missing
+
+
+def missing_asset(what: str, install: str):
+    """Skip the test (or module) that needs `what`; under FLASHSWITCH_REQUIRE_ASSETS=1 fail it instead, so
+    that a failed install cannot turn a CI run's tests into skips."""
+    why = f"{what} is missing: {install}"
+    if os.environ.get(REQUIRE_ASSETS_ENV) == "1":
+        pytest.fail(f"{why} ({REQUIRE_ASSETS_ENV}=1: test assets are required)", pytrace=False)
+    pytest.skip(why, allow_module_level=True)
+
+
+def import_asset(module: str, install: str):
+    """The module, or `missing_asset` when it cannot be imported."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        missing_asset(f"the {module!r} package", install)
 
 
 def pytest_report_header(config):

