@@ -550,6 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--windows", nargs="+", choices=("sliding", "block"), default=["sliding", "block"])
     a.set_defaults(func=cmd_autotune)
 
+    from flashswitch.nn.eva_attention import SUMMARY_BIASES  # torch is loaded already (flashswitch/__init__)
     g = sub.add_parser("generate", help="greedy text from a pretrained model, EVA or exact attention")
     g.add_argument("--model", default="smollm2-135m", help="a known model name (flashswitch.nn.pretrained) or a "
                    ".gguf path (default smollm2-135m)")
@@ -557,7 +558,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunk-size", type=int, default=32, help="EVA chunk size C (default 32)")
     g.add_argument("--window-size", type=int, default=256, help="EVA exact window W (default 256)")
     g.add_argument("--window", choices=("sliding", "block"), default="sliding")
-    g.add_argument("--summary-bias", choices=("none", "log_count"), default="log_count")
+    g.add_argument("--summary-bias", choices=[b or "none" for b in SUMMARY_BIASES], default="log_count",
+                   help="EVA's bias on the summaries' logits (EvaAttention summary_bias): none (0); log_count (log C, "
+                        "the default); off (summaries switched off: sliding-window attention with --window "
+                        "sliding); learned (log C plus a learnable per-head bias, which a GGUF file does not "
+                        "hold: it starts at zero, so it generates as log_count)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="send the prompt as a user turn of the chat format")
     g.add_argument("--max-new-tokens", type=int, default=128)

@@ -9,6 +9,7 @@ import torch
 
 from conftest import DEVICE
 from flashswitch import cli
+from flashswitch.nn.eva_attention import SUMMARY_BIASES
 from flashswitch.nn.generate import greedy
 from flashswitch.nn.llama import LlamaConfig, LlamaLM
 
@@ -66,3 +67,22 @@ def test_generate_command_on_the_pretrained_model(capsys):
     out = capsys.readouterr()
     assert out.out.startswith("The capital of France is") and len(out.out) > len("The capital of France is\n")
     assert "tokens/s" in out.err and "eva attention" in out.err
+
+
+@pytest.mark.parametrize("bias", SUMMARY_BIASES)
+def test_generate_takes_every_summary_bias_of_the_layer(monkeypatch, bias):
+    """`--summary-bias` offers each EvaAttention summary_bias (None as "none") and hands it to the loader."""
+    from flashswitch.nn import pretrained
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def load(name, **kw):
+        seen.update(kw)
+        raise Loaded  # the arguments are all this test needs
+
+    monkeypatch.setattr(pretrained, "load", load)
+    with pytest.raises(Loaded):
+        cli.main(["generate", "--prompt", "x", "--summary-bias", bias or "none"])
+    assert seen["attention"] == "eva" and seen["summary_bias"] == bias

@@ -164,6 +164,23 @@ def test_eva_keeps_the_weights_and_with_a_covering_window_the_logits(loaded, pro
         model.set_attention("sdpa")
 
 
+def test_eva_parameters_the_file_lacks_start_at_zero(loaded, prompt_ids):
+    """load(..., summary_bias="learned", summaries="weighted"): EVA's own parameters, which the file does
+    not hold, start at zero, so the model is plain EVA (log-count bias, mean summaries)."""
+    eva = dict(chunk_size=4, window_size=8, window="block")  # summaries in use over the 26-token prompt
+    model = pretrained.load(NAME, attention="eva", **eva, summary_bias="learned", summaries="weighted")[0]
+    plain = loaded[0]
+    own = {k: v for k, v in model.state_dict().items() if k not in plain.state_dict()}
+    assert {k.rsplit(".", 1)[1] for k in own} == {"summary_logit_bias", "key_weight", "omega"}
+    assert not any(v.any() for v in own.values())
+    try:
+        plain.set_attention("eva", **eva, summary_bias="log_count")
+        with torch.no_grad():
+            assert rel_error(model(prompt_ids), plain(prompt_ids)) <= 1e-6
+    finally:
+        plain.set_attention("sdpa")
+
+
 def test_bad_arguments(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="name_or_path"):
         pretrained.load("no-such-model")

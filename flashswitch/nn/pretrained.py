@@ -284,7 +284,9 @@ def load(name_or_path, *, device="cpu", dtype: torch.dtype = torch.float32, atte
          **attention_kw):
     """(model, tokenizer) of a GGUF file: a LlamaLM with the file's config and weights (dequantized,
     cast to dtype, on device, in eval mode) and its GGUFTokenizer. name_or_path: a KNOWN_MODELS name
-    or a .gguf path. attention and attention_kw as LlamaLM's (set_attention switches later)."""
+    or a .gguf path. attention and attention_kw as LlamaLM's (set_attention switches later); EVA's own
+    parameters, which the file does not hold (summary_bias="learned", summaries="weighted"), start as
+    EvaAttention makes them: zeros, i.e. log_count and mean summaries."""
     path = resolve(name_or_path)
     reader = _open(path)
     cfg = read_config(reader, path)
@@ -292,8 +294,10 @@ def load(name_or_path, *, device="cpu", dtype: torch.dtype = torch.float32, atte
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(f"name_or_path={path!r}: {tokenizer.vocab_size} tokens for {cfg.vocab_size} embeddings")
     state = read_state_dict(reader, cfg, path)
-    model = LlamaLM(cfg, attention=attention, device=device, dtype=dtype, **attention_kw)
+    model = LlamaLM(cfg, device=device, dtype=dtype)  # the file's model, exact attention: every key loads
     model.load_state_dict(state, strict=True)
+    if attention != "sdpa" or attention_kw:
+        model.set_attention(attention, **attention_kw)
     return model.eval(), tokenizer
 
 
