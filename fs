@@ -61,6 +61,9 @@ if [ -z "$PY" ]; then
   fi
 fi
 
+# the CLI's usage line and hints name it as it was run here (e.g. `./fs info`), not as `flashswitch`,
+# which is not on PATH unless .venv is activated
+export FLASHSWITCH_PROG="$0"
 cmd="${1:-demo}"
 case "$cmd" in
   -h|--help|help) exec "$PY" -m flashswitch --help ;;

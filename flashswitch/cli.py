@@ -1,4 +1,5 @@
-"""`flashswitch <command>` (also `python -m flashswitch`): demo | info | check | bench | autotune | generate | test.
+"""`flashswitch <command>` (in a checkout `./fs <command>`; also `python -m flashswitch <command>`):
+demo | info | check | bench | autotune | generate | test.
 
   demo      run each op on a small problem on this machine; the default command
   info      versions, GPU, which backends can run (and why not), tuned-config files, environment
@@ -27,6 +28,12 @@ ENV_VARS = ("FLASHSWITCH_BACKEND", "FLASHSWITCH_CONFIG_DIR", "FLASHSWITCH_POISON
             "TRITON_INTERPRET", "CUDA_HOME", "CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS",
             "HYPOTHESIS_PROFILE")
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _prog() -> str:
+    """How the user runs this command, for the usage line and the hints we print: `./fs` sets
+    FLASHSWITCH_PROG to the path it was run by; else the console script's name."""
+    return os.environ.get("FLASHSWITCH_PROG") or "flashswitch"
 
 
 # ---------------------------------------------------------------- output
@@ -115,7 +122,7 @@ def cmd_info(args) -> int:
         mark = "  <- this device" if mine is not None and f == mine else ""
         con.print(_e(f"  {f.name}: {ops}{mark}"))
     if not files:
-        con.print("  no tuned-config files (heuristic defaults are used; `flashswitch autotune` makes one)")
+        con.print(f"  no tuned-config files (heuristic defaults are used; `{_prog()} autotune` makes one)")
     elif mine is not None and not mine.exists():
         con.print(f"  none for this device ({mine.name}): heuristic defaults are used")
     env = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
@@ -269,7 +276,8 @@ def cmd_demo(args) -> int:
                 continue
             t.add_row(b + (" (auto)" if b == auto else ""), _e(shapes), _fmt_err(err), ok, f"{ms:.3f}")
         con.print(t)
-    con.print("\nmore: flashswitch info | check | bench | autotune   (flashswitch <command> --help)")
+    prog = _prog()
+    con.print(f"\nmore: {prog} info | check | bench | autotune | generate   ({prog} <command> --help)")
     return 1 if bad else 0
 
 
@@ -488,7 +496,7 @@ def cmd_generate(args) -> int:
 
 # ---------------------------------------------------------------- argument parsing
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flashswitch", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=_prog(), description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="With no command, runs `demo`.")
     sub = p.add_subparsers(dest="cmd", title="commands", metavar="<command>")

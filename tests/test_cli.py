@@ -147,6 +147,17 @@ def test_fs_unknown_command_lists_the_choices():
     assert all(f"'{c}'" in choices for c in COMMANDS), r.stderr
 
 
+def test_printed_commands_name_fs_when_run_through_it(monkeypatch, capsys):
+    """The usage line and the demo's hints name the command as it was run: `./fs` (`flashswitch` is not
+    on PATH after ./fs's setup), else the console script."""
+    assert _fs("--help").stdout.startswith(f"usage: {ROOT / 'fs'} [-h] <command>")
+    monkeypatch.setenv("FLASHSWITCH_PROG", "./fs")
+    assert cli.main(["demo", "--ops", "chunk_summaries"]) == 0
+    assert "more: ./fs info | check | bench | autotune | generate   (./fs <command> --help)" in capsys.readouterr().out
+    monkeypatch.delenv("FLASHSWITCH_PROG")
+    assert cli.build_parser().prog == "flashswitch"
+
+
 def test_test_command_hands_every_argument_to_pytest(monkeypatch):
     """`flashswitch test ...` (./fs test runs pytest itself) is pytest on the checkout's tests/, options included."""
     calls = []
