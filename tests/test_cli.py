@@ -103,11 +103,9 @@ def test_bench_without_gpu_writes_nothing(tmp_path):
     assert not out.exists()
 
 
-def test_autotune_first_n_shapes(monkeypatch):
-    """`autotune --first N` hands the tuner the first N shapes of each op (issue shapes first), and
-    `--shape I ...` the chosen ones."""
-    import torch
-    from flashswitch.autotune import space, tune as tune_mod
+def _fake_tuner(monkeypatch) -> dict:
+    """A visible GPU and a tuner that only records the keywords `autotune` hands it (returned)."""
+    from flashswitch.autotune import tune as tune_mod
     seen = {}
 
     def fake_tune(**kw):
@@ -116,6 +114,14 @@ def test_autotune_first_n_shapes(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tune_mod, "tune", fake_tune)
+    return seen
+
+
+def test_autotune_first_n_shapes(monkeypatch):
+    """`autotune --first N` hands the tuner the first N shapes of each op (issue shapes first), and
+    `--shape I ...` the chosen ones."""
+    from flashswitch.autotune import space
+    seen = _fake_tuner(monkeypatch)
     assert cli.main(["autotune", "--ops", "expert_matmul", "--first", "1", "--no-progress"]) == 0
     assert seen["shapes"]["expert_matmul"] == space.TUNE_SHAPES["expert_matmul"][:1]
     assert seen["ops"] == ["expert_matmul"]
@@ -181,18 +187,9 @@ def test_autotune_model_shapes(monkeypatch, capsys):
     """`autotune --model NAME` hands the tuner the buckets that model's EVA attention hits, derived from
     its config: op 1 over the kv heads, op 2 over the query heads, the backward at training shapes
     only, one shape per bucket; an unknown name is refused."""
-    import torch
-    from flashswitch.autotune import tune as tune_mod
     from flashswitch.autotune.model_shapes import _features
     from flashswitch.autotune.store import bucket_key
-    seen = {}
-
-    def fake_tune(**kw):
-        seen.update(kw)
-        return {"buckets": 1, "planned": 1, "path": "x.json", "stopped": None}
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(tune_mod, "tune", fake_tune)
+    seen = _fake_tuner(monkeypatch)
     assert cli.main(["autotune", "--model", "smollm2-135m", "--seq-lens", "4096", "--train-shapes", "8x2048",
                      "--windows", "sliding", "--no-progress"]) == 0
     shapes = seen["shapes"]

@@ -232,6 +232,18 @@ def merge_json(path: Path, sections: dict[str, list[dict]], keys: dict[str, tupl
     return data
 
 
+def write_outputs(name: str, data: dict, folder: Path, markdown, plot) -> list[Path]:
+    """<name>.md from markdown(data) and <name>.png from plot(data, path) (where it draws one) beside the
+    JSON in `folder`: the paths written."""
+    md = folder / f"{name}.md"
+    md.write_text(markdown(data) + "\n")
+    written = [folder / f"{name}.json", md]
+    png = folder / f"{name}.png"
+    if plot(data, png):
+        written.append(png)
+    return written
+
+
 def pyplot():
     import matplotlib
     matplotlib.use("Agg")

@@ -350,13 +350,7 @@ def plot(data: dict, path: Path) -> bool:
 
 
 def write_outputs(data: dict, folder: Path) -> list[Path]:
-    md = folder / f"{NAME}.md"
-    md.write_text(markdown(data) + "\n")
-    written = [folder / f"{NAME}.json", md]
-    png = folder / f"{NAME}.png"
-    if plot(data, png):
-        written.append(png)
-    return written
+    return E.write_outputs(NAME, data, folder, markdown, plot)
 
 
 # ---------------------------------------------------------------- main
