@@ -337,28 +337,42 @@ def test_text_table_compares_a_stopped_run_at_a_common_step():
     assert "do not compare" not in md
 
 
+SCHEDULE = (1.0, 0.5, 0.25, 0.1)
+
+
+def test_trainer_follows_the_schedule():
+    """E.trainer's eager step: the i-th call trains at lr * schedule(i), as LambdaLR steps it."""
+    torch.manual_seed(0)
+    model = E.build("tiny", "dense")
+    step, opt = E.trainer(model, lr=1e-2, schedule=SCHEDULE.__getitem__, batch_shape=(2, 9))
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(3):
+        seen.append(opt.param_groups[0]["lr"])
+        loss = step(torch.randint(0, 64, (2, 9), generator=g))
+        assert loss.ndim == 0 and not loss.requires_grad
+    assert seen == pytest.approx([1e-2 * f for f in SCHEDULE[:3]])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["dense", "switchhead"])
 def test_graphed_train_step_equals_eager_steps(variant):
-    """e2e_text's CUDA-graph step (forward, backward, clipping, AdamW with a tensor learning rate): the
-    losses and weights of eager steps on the same batches, so the capture's warmup steps leave no trace
-    (a large learning rate makes three extra steps show). Weights are compared by their updates: bf16
-    rounding differs between the two paths (SwitchHead's eager router takes its own top-k kernel), and
-    Adam turns a near-zero gradient's sign into a full step, so single entries may differ by ~lr while
-    three extra steps would move every tensor's update by a large fraction."""
+    """E.trainer's CUDA-graph step (forward, backward, clipping, AdamW with a tensor learning rate that
+    the schedule fills): the losses and weights of its eager steps on the same batches, so the capture's
+    warmup steps leave no trace (a large learning rate makes three extra steps show) and the schedule
+    lines up. Weights are compared by their updates: bf16 rounding differs between the two paths
+    (SwitchHead's eager router takes its own top-k kernel), and Adam turns a near-zero gradient's sign
+    into a full step, so single entries may differ by ~lr while three extra steps would move every
+    tensor's update by a large fraction."""
     def run(graphed):
         torch.manual_seed(0)
         model = E.build("47M", variant, device="cuda", vocab_size=256, dropout=0.0, n_layers=2)
         start = [p.detach().clone() for p in model.parameters()]
         g = torch.Generator(device="cuda").manual_seed(1)
         batches = [torch.randint(0, 256, (4, 65), generator=g, device="cuda") for _ in range(4)]
-        if graphed:
-            opt = E.make_optimizer(model, lr=torch.tensor(1e-2, device="cuda"), capturable=True)
-            step = E.graphed_train_step(model, opt, torch.zeros_like(batches[0]), amp=torch.bfloat16, clip=1.0)
-            losses = [step(b).item() for b in batches]
-        else:
-            opt = E.make_optimizer(model, lr=1e-2)
-            losses = [E.train_step(model, opt, b, amp=torch.bfloat16, clip=1.0).item() for b in batches]
+        step, _ = E.trainer(model, lr=1e-2, schedule=SCHEDULE.__getitem__, batch_shape=(4, 65),
+                            amp=torch.bfloat16, clip=1.0, graphed=graphed)
+        losses = [step(b).item() for b in batches]
         return losses, [p.detach() - p0 for p, p0 in zip(model.parameters(), start)]
 
     (lg, ug), (le, ue) = run(True), run(False)

@@ -63,3 +63,13 @@ def test_smoke_run(tmp_path):
     md = (tmp_path / "model_speed.md").read_text()
     assert "| smollm2-135m | train | 2 x 48 | eva-sliding | eager |" in md
     assert model_speed.family("_eva_bwd_dq") == "op2_bwd" and model_speed.family("nvjet_tst_128x") == "gemm"
+
+
+@pytest.mark.gpu
+def test_smoke_run_on_the_gpu(tmp_path):
+    """Every train impl on CUDA, the graphed step (compiled regions replayed from one CUDA graph) included."""
+    assert model_speed.main(["--smoke", "--device", "cuda", "--modes", "train", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "model_speed.json").read_text())["rows"]
+    assert {(r["attention"], r["impl"]) for r in rows} == {(a, i) for a in model_speed.ATTENTIONS
+                                                           for i in model_speed.IMPLS}
+    assert all(r["ms"] > 0 and "error" not in r for r in rows)

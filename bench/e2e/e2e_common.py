@@ -159,6 +159,32 @@ def graphed_train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | N
     return run
 
 
+def trainer(model, *, lr: float, weight_decay: float = 0.0, schedule=None, batch_shape: tuple,
+            amp: torch.dtype | None = None, clip: float | None = None, graphed: bool = False):
+    """(step, opt): step(batch) runs one training step (train_step: forward, backward, clipping at
+    `clip`, AdamW) and returns its loss as a detached device tensor; its i-th call (from 0) uses the
+    learning rate lr * schedule(i) (schedule None: constant). `graphed` (CUDA): the step is captured
+    once in a CUDA graph on a static batch of `batch_shape` (graphed_train_step) and each call copies
+    the batch in and replays it: no host work per kernel, so a small model is no longer paced by its
+    host; the learning rate then lives in a device tensor the schedule fills."""
+    schedule = schedule or (lambda i: 1.0)
+    calls = iter(range(1 << 62))
+    if not graphed:
+        opt = make_optimizer(model, lr=lr, weight_decay=weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return (lambda batch: train_step(model, opt, batch, amp=amp, clip=clip, scheduler=sched)), opt
+    device = next(model.parameters()).device
+    lr_now = torch.tensor(lr * schedule(0), dtype=torch.float32, device=device)
+    opt = make_optimizer(model, lr=lr_now, weight_decay=weight_decay, capturable=True)
+    static = torch.zeros(batch_shape, dtype=torch.long, device=device)
+    run = graphed_train_step(model, opt, static, amp=amp, clip=clip)
+
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        lr_now.fill_(lr * schedule(next(calls)))
+        return run(batch)
+    return step, opt
+
+
 def time_calls(fn, *, warmup: int, reps: int, device) -> list[float]:
     """Milliseconds of each of `reps` calls of fn after `warmup` calls: CUDA events around each call on
     a GPU (back to back, one synchronisation at the end), perf_counter on the CPU."""

@@ -125,14 +125,8 @@ def train_variant(variant: str, train: torch.Tensor, val: torch.Tensor, args, de
     cuda = torch.device(device).type == "cuda"
     schedule = lr_lambda(args.warmup, args.steps)
     graphed = cuda and not args.no_graph
-    if graphed:  # the step in a CUDA graph: the learning rate lives in a tensor the schedule fills
-        lr = torch.tensor(args.lr, dtype=torch.float32, device=device)
-        opt = E.make_optimizer(model, lr=lr, weight_decay=args.weight_decay, capturable=True)
-        static = torch.zeros((args.batch, args.seq_len + 1), dtype=torch.long, device=device)
-        graph_step = E.graphed_train_step(model, opt, static, amp=amp, clip=args.clip)
-    else:
-        opt = E.make_optimizer(model, lr=args.lr, weight_decay=args.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    train_step, _ = E.trainer(model, lr=args.lr, weight_decay=args.weight_decay, schedule=schedule,
+                              batch_shape=(args.batch, args.seq_len + 1), amp=amp, clip=args.clip, graphed=graphed)
     g = torch.Generator(device=device).manual_seed(args.seed)
     windows = eval_windows(val, args.eval_batches * args.batch, args.seq_len)
     log, acc, n_acc, train_s = [], torch.zeros((), device=device), 0, 0.0
@@ -143,11 +137,7 @@ def train_variant(variant: str, train: torch.Tensor, val: torch.Tensor, args, de
     step = 0
     for step in range(1, args.steps + 1):
         batch = random_batch(train, args.batch, args.seq_len, g)
-        if graphed:
-            lr.fill_(args.lr * schedule(step - 1))  # what LambdaLR gives step `step`
-            acc += graph_step(batch)
-        else:
-            acc += E.train_step(model, opt, batch, amp=amp, clip=args.clip, scheduler=sched)
+        acc += train_step(batch)
         n_acc += 1
         last = step == args.steps or (time.perf_counter() - t0 + train_s) > 60 * args.max_minutes
         if step % args.log_every and not last:

@@ -429,15 +429,15 @@ def finetune(run: Run, variant: str) -> dict:
         torch._dynamo.reset()
         model.compile_regions()
     row = {"variant": variant, "settings": settings, "seq": args.seq, "batch": args.batch, "lr": args.lr,
-           "compiled": args.compile}
+           "compiled": args.compile, "graphed": args.cuda_graph}
     warm = min(5, args.steps - 1)  # steps left out of the throughput (compiles, allocator growth)
     if args.long_steps:  # training throughput at the long length, from the pretrained weights (restored after)
-        opt = E.make_optimizer(model, lr=args.lr)
         g = torch.Generator(device=dev).manual_seed(args.seed + 1)
         long = e2e_text.random_batch(run.train_ids, args.long_batch, args.long_seq, g)
-        ms = E.time_calls(lambda: E.train_step(model, opt, long, amp=run.amp, clip=args.clip), warmup=1,
-                          reps=args.long_steps, device=dev)
-        del opt
+        long_step, opt = E.trainer(model, lr=args.lr, batch_shape=long.shape, amp=run.amp, clip=args.clip,
+                                   graphed=args.cuda_graph)
+        ms = E.time_calls(lambda: long_step(long), warmup=1, reps=args.long_steps, device=dev)
+        del long_step, opt
         ms = E.median(ms)
         row["long"] = {"seq": args.long_seq, "batch": args.long_batch, "steps": args.long_steps, "ms_per_step": ms,
                        "tokens_per_s": args.long_batch * args.long_seq / ms * 1e3}
@@ -446,8 +446,10 @@ def finetune(run: Run, variant: str) -> dict:
         load_into(model, run.base, settings)
         print(f"   {variant}: {args.long_batch} x {args.long_seq}: {row['long']['ms_per_step']:.1f} ms/step, "
               f"{row['long']['tokens_per_s']:,.0f} tokens/s", flush=True)
-    opt = E.make_optimizer(model, lr=args.lr, weight_decay=args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, e2e_text.lr_lambda(args.warmup, args.steps))
+    train_step, opt = E.trainer(model, lr=args.lr, weight_decay=args.weight_decay,
+                                schedule=e2e_text.lr_lambda(args.warmup, args.steps),
+                                batch_shape=(args.batch, args.seq + 1), amp=run.amp, clip=args.clip,
+                                graphed=args.cuda_graph)
     g = torch.Generator(device=dev).manual_seed(args.seed)  # the same batches for every variant
     limit = min(args.max_train_s, max(0.0, args.budget_s - run.elapsed()))
     bar = _progress(args.steps, variant)
@@ -463,7 +465,7 @@ def finetune(run: Run, variant: str) -> dict:
 
     for step in range(1, args.steps + 1):
         batch = e2e_text.random_batch(run.train_ids, args.batch, args.seq, g)
-        acc += E.train_step(model, opt, batch, amp=run.amp, clip=args.clip, scheduler=sched)
+        acc += train_step(batch)
         n_acc += 1
         if step == warm:
             if run.cuda:
@@ -500,7 +502,7 @@ def finetune(run: Run, variant: str) -> dict:
                first_loss=log[0]["loss"], final_loss=log[-1]["loss"], log=log)
     run.states[variant] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.compile_regions(False)
-    del opt, sched
+    del train_step, opt
     print(f"   {variant}: {step} steps of {args.batch} x {args.seq} in {row['train_s']:.1f} s, "
           f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['first_loss']:.3f} -> {row['final_loss']:.3f}  "
           f"[{run.elapsed():.0f} s]", flush=True)
@@ -693,6 +695,7 @@ def markdown(d: dict) -> str:
                 f"fine-tune's steps after the first {ft[0].get('untimed_steps')}; the long steps (median of "
                 f"{a.get('long_steps')} after one) start from the pretrained weights (throughput only)"
                 + ("; every step through LlamaLM.compile_regions" if ft[0].get("compiled") else "; eager steps")
+                + ("; each step replayed from a CUDA graph" if ft[0].get("graphed") else "")
                 + ".", "",
                 "| variant | attention | steps | tokens | train s | tokens/s | vs full | long steps | tokens/s | "
                 "vs full | first loss | final loss |", "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
@@ -833,6 +836,8 @@ def parse_args(argv):
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny random model, tiny sizes")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="fine-tune through LlamaLM.compile_regions (default: on a GPU)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="each training step replayed from a CUDA graph (default: on a GPU)")
     p.add_argument("--summary-bias", default="log_count", choices=("none", "log_count"),
                    help="the summary bias EVA fine-tunes with (both are evaluated)")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -854,8 +859,13 @@ def parse_args(argv):
         if getattr(args, name) is None:
             setattr(args, name, smoke if args.smoke else full)
     args.summary_bias = None if args.summary_bias == "none" else args.summary_bias
+    cuda = torch.device(args.device).type == "cuda"
     if args.compile is None:
-        args.compile = torch.device(args.device).type == "cuda"
+        args.compile = cuda
+    if args.cuda_graph is None:
+        args.cuda_graph = cuda
+    elif args.cuda_graph and not cuda:
+        p.error("--cuda-graph needs a CUDA device")
     if args.window % args.chunk:
         p.error("--window must be a multiple of --chunk")
     for wc in args.tradeoff:

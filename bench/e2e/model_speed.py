@@ -17,9 +17,10 @@ train      one fine-tuning step (forward + backward + fused AdamW, bf16 autocast
            at each --train-shapes B x T, random tokens.
 
 Attentions: "sdpa" (exact causal attention, SDPA with enable_gqa), "eva-sliding" and "eva-block"
-(EvaAttention, C 32, W 256, the log-count summary bias). Impls: "eager" (the model as written) and
-"compiled" (LlamaLM.compile_regions: each block and the loss head through torch.compile; train only).
-Prefill and attention rows run eager.
+(EvaAttention, C 32, W 256, the log-count summary bias). Impls of the train step: "eager" (the model as
+written), "compiled" (LlamaLM.compile_regions: each block and the loss head through torch.compile) and
+"graphed" (compiled, and the whole step replayed from a CUDA graph as a fine-tune runs it:
+e2e_common.trainer; CUDA only). Prefill and attention rows run eager.
 Each row has the median per-call time (CUDA events, host included), the time of the same call
 replayed from a CUDA graph (the kernels alone; None where it cannot be captured), the MAC-ideal
 speedup (exact attention's multiply-accumulates per token over the row's, flashswitch.nn.llama.
@@ -46,7 +47,7 @@ KEYS = {"rows": ("model", "mode", "batch", "seq_len", "attention", "impl")}
 ATTENTIONS = {"sdpa": {"attention": "sdpa"},
               "eva-sliding": {"attention": "eva", "chunk_size": 32, "window_size": 256, "window": "sliding"},
               "eva-block": {"attention": "eva", "chunk_size": 32, "window_size": 256, "window": "block"}}
-IMPLS = ("eager", "compiled")
+IMPLS = ("eager", "compiled", "graphed")
 MODES = ("attention", "prefill", "train")
 PREFILL_LENS = (2048, 4096, 8192, 16384, 32768)
 TRAIN_SHAPES = ("8x2048", "2x8192")
@@ -156,7 +157,7 @@ def ideal_speedup(cfg: LlamaConfig, seq_len: int, attention: str, *, logits: boo
 
 def build(cfg: LlamaConfig, attention: str, impl: str, device, dtype, smoke: bool) -> LlamaLM:
     model = LlamaLM(cfg, device=device, dtype=dtype, **attention_kw(attention, smoke))
-    return model.compile_regions() if impl == "compiled" else model
+    return model.compile_regions() if impl in ("compiled", "graphed") else model
 
 
 def prefill_case(model: LlamaLM, seq_len: int, args, device) -> dict:
@@ -173,10 +174,13 @@ def prefill_case(model: LlamaLM, seq_len: int, args, device) -> dict:
                      device=device, graph=args.graph)
 
 
-def train_case(model: LlamaLM, batch: int, seq_len: int, args, device) -> dict:
+def train_case(model: LlamaLM, batch: int, seq_len: int, args, device, impl: str) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     tokens = torch.randint(0, model.cfg.vocab_size, (batch, seq_len + 1), device=device, generator=g)
     amp = E.amp_dtype(device)
+    if impl == "graphed":  # the step a fine-tune takes: copy the batch in, replay (graph ms: the same thing)
+        step, _ = E.trainer(model, lr=1e-5, batch_shape=tokens.shape, amp=amp, graphed=True)
+        return timed(lambda: step(tokens), None, reps=args.reps, warmup=args.warmup, device=device, graph=False)
     opt = E.make_optimizer(model, lr=1e-5, capturable=args.graph)
     out = timed(lambda: E.train_step(model, opt, tokens, amp=amp), None, reps=args.reps, warmup=args.warmup,
                 device=device, graph=False)
@@ -256,7 +260,7 @@ def run(args, device, commit=None) -> list[dict]:
             model = built[key]
             case = prefill_case if mode == "prefill" else train_case
             row.update(case(model, seq_len, args, device) if mode == "prefill"
-                       else case(model, batch, seq_len, args, device))
+                       else case(model, batch, seq_len, args, device, impl))
             row["tokens_per_s"] = batch * seq_len / row["ms"] * 1e3
             print(f"  {row['ms']:.3f} ms, graph {row.get('graph_ms')}", flush=True)
         except Exception as err:  # noqa: BLE001 (recorded in the row; the run goes on)
@@ -380,6 +384,8 @@ def parse_args(argv=None):
         p.error("--prefill-lens and --reps must be >= 1, --warmup >= 0")
     args.device = torch.device(args.device)
     args.graph = args.graph and args.device.type == "cuda"
+    if args.device.type != "cuda":  # a CUDA graph needs CUDA
+        args.impls = [i for i in args.impls if i != "graphed"]
     return args
 
 
