@@ -189,6 +189,12 @@ def test_e2e_training_script(tmp_path):
             assert "graph_error" not in r and r["graph_ms"] > 0, r
         else:
             assert "graph_ms" not in r
+    for r in data["models"]:  # the profile split of a step, on CUDA
+        if torch.cuda.is_available():
+            assert set(r["split"]) == set(e2e_training.SPLIT) | {"host"} and r["kernels"] > 0, r
+            assert r["split"]["gemm"] > 0 and (r["split"]["op3"] > 0) == (r["variant"] == "switchhead"), r
+        else:
+            assert "split" not in r
     assert {(r["layer"], r["impl"]) for r in data["layers"]} == {
         (l, i) for l in ("dense", "switchhead") for i in ("flashswitch", "paper")}
     sh = next(r for r in data["macs"] if r["variant"] == "switchhead" and r["seq_len"] == 8)
@@ -197,6 +203,7 @@ def test_e2e_training_script(tmp_path):
     assert f"last run: {E.provenance_line(data)}." in md and data["date"]
     assert "| tiny | 8 | 4 | switchhead | flashswitch |" in md and "| tiny | 16 | 2 | dense | paper |" in md
     assert "Attention layer alone" in md
+    assert ("## Where a step's time goes" in md) == torch.cuda.is_available()
     assert (tmp_path / "e2e_training.png").stat().st_size > 0
 
 
@@ -245,6 +252,16 @@ def test_graph_columns():
     md = e2e_training.markdown(data)
     assert "| 1.000 | 2.00x |" in md and "| failed | - |" in md and "| 0.500 | 3.00x |" in md
     assert "| 2.000 | 1.00x |" in md
+
+
+def test_split_table():
+    """A step's profile split: one row per model row that has one, in SPLIT's order, then host."""
+    split = dict(zip(e2e_training.SPLIT + ("host",), (1.5, 2.0, 30.0, 1.0, 0.5, 9.0, 3.0)))
+    row = dict(size="262M", seq_len=1024, batch=16, tokens=16384, impl="flashswitch", tokens_per_s=1e5,
+               model_TFLOPs=100.0, mlp_align="pad", variant="switchhead", ms=47.0, split=split, kernels=900)
+    md = e2e_training.markdown({"macs": [], "models": [row, {**row, "variant": "dense", "split": None}]})
+    assert "| 262M | 1024 | switchhead | flashswitch | pad | 47.00 | 1.5 | 2.0 | 30.0 | 1.0 | 0.5 | 9.0 | 3.0 | 900 |" in md
+    assert md.count("| 262M | 1024 | dense | flashswitch | pad | 47.00 |") == 0
 
 
 def _text_file(path: Path) -> Path:

@@ -15,6 +15,7 @@ from conftest import DEVICE
 from flashswitch.nn.llama import LlamaConfig, LlamaLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "e2e"))
+import e2e_common as E  # noqa: E402
 import model_speed  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=61, hidden_size=48, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=8,
@@ -62,7 +63,8 @@ def test_smoke_run(tmp_path):
     assert all(r["ideal_speedup"] > 1 for r in eva if r["seq_len"] >= 96)  # past the window: fewer MACs
     md = (tmp_path / "model_speed.md").read_text()
     assert "| smollm2-135m | train | 2 x 48 | eva-sliding | eager |" in md
-    assert model_speed.family("_eva_bwd_dq") == "op2_bwd" and model_speed.family("nvjet_tst_128x") == "gemm"
+    assert E.kernel_family("_eva_bwd_dq") == "op2_bwd" and E.kernel_family("nvjet_tst_128x") == "gemm"
+    assert E.kernel_family("_dw_kernel") == "op3" and E.kernel_family("_eva_bwd_sum_splits") == "op2_bwd"
 
 
 @pytest.mark.gpu

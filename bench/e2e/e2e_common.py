@@ -12,6 +12,7 @@ variant for smoke runs on the CPU. Implementations ("impls") of the same model:
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -183,6 +184,43 @@ def trainer(model, *, lr: float, weight_decay: float = 0.0, schedule=None, batch
         lr_now.fill_(lr * schedule(next(calls)))
         return run(batch)
     return step, opt
+
+
+# kernel families of a profile split: the first pattern that a kernel's name matches (lower case)
+KERNEL_FAMILIES = (
+    ("op1", r"chunk_summ"),
+    ("op2_fwd", r"_eva_fwd|_eva_combine"),
+    ("op2_bwd", r"_eva_bwd"),
+    ("op3", r"expert_matmul|_group_sum|_pair_experts|_dense_z|_dx_kernel|_dw_kernel|_dense_dg|_dense_dx|"
+            r"_sum_leading|_forward_kernel|_forward_rows|_da_dw|_dweight|_gate_table|_gate_grad|route|top_k_rows"),
+    ("exact_attention", r"flash|fmha|cudnn|attention"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|s16816|wgmma|splitk"),
+    ("loss", r"cross_entropy|log_softmax|nll_loss"),
+    ("optimizer", r"adam|multi_tensor"),
+    ("elementwise", r"."))  # norms, rotary, activations, casts, copies, fills
+
+
+def kernel_family(kernel: str) -> str:
+    """The KERNEL_FAMILIES name of a GPU kernel."""
+    name = kernel.lower()
+    return next(f for f, pattern in KERNEL_FAMILIES if re.search(pattern, name))
+
+
+def profile_split(fn, families=tuple(f for f, _ in KERNEL_FAMILIES)) -> dict:
+    """One call of fn under the torch profiler: {"split": GPU ms per kernel family (of `families`; a
+    kernel of another family counts as elementwise), "kernels": the kernel count}."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    split, count = dict.fromkeys(families, 0.0), 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            f = kernel_family(e.name)
+            split[f if f in split else "elementwise"] += e.time_range.elapsed_us() / 1e3
+            count += 1
+    return {"split": split, "kernels": count}
 
 
 def time_calls(fn, *, warmup: int, reps: int, device) -> list[float]:

@@ -50,6 +50,8 @@ KEYS = {"models": ("size", "variant", "impl", "mlp_align", "seq_len", "tokens"),
 # rows written before --mlp-align existed ran the paper's widths
 DEFAULTS = {"models": {"mlp_align": "none"}, "macs": {"mlp_align": "none"}}
 GiB = float(1 << 30)
+# the profile split of a step's GPU time (e2e_common.KERNEL_FAMILIES), then the host's share
+SPLIT = ("op3", "exact_attention", "gemm", "loss", "optimizer", "elementwise")
 
 
 # ---------------------------------------------------------------- MACs
@@ -121,6 +123,8 @@ def model_rows(args, device) -> list[dict]:
                                    model_TFLOPs=6 * row["macs_per_token"] * B * T / (med * 1e-3) / 1e12)
                         if torch.device(device).type == "cuda":
                             row["peak_GiB"] = torch.cuda.max_memory_allocated() / GiB
+                            row.update(E.profile_split(step, SPLIT))
+                            row["split"]["host"] = max(med - sum(row["split"].values()), 0.0)
                         print(f"{size:>5} {variant:>10} {impl:>11} MLP {args.mlp_align:<5} T={T:<5} B={B:<3} "
                               f"{med:9.2f} ms/step "
                               f"{row['tokens_per_s'] / 1e3:9.1f} k tok/s  peak {row.get('peak_GiB', 0):6.2f} GiB",
@@ -327,6 +331,22 @@ def markdown(data: dict) -> str:
                        f"{_f(sp / ide * 100 if sp and ide and r['variant'] != 'dense' else None, '.0f', '%')} | "
                        f"{_f(vs_paper, '.2f', 'x')} | {_graph_cells(r, dense)} |")
         out.append("")
+        split = [r for r in mrows if r.get("split")]
+        if split:
+            cols = SPLIT + ("host",)
+            out += ["## Where a step's time goes", "",
+                    "One eager step's GPU time by kernel family (torch profiler, ms): op3 the routed expert "
+                    "kernels (expert matmuls, routing), exact_attention SDPA, gemm cuBLAS (dense projections, MLP, "
+                    "output layer, op 3's dense-Z GEMMs), elementwise the rest (norms, rotary, activations, casts, "
+                    "copies); host: step ms minus the kernels' sum (time the GPU waits for the host).", "",
+                    "| size | T | variant | impl | MLP | step ms | " + " | ".join(cols) + " | kernels |",
+                    "|---|---|---|---|---|---|" + "---|" * (len(cols) + 1)]
+            for r in sorted(split, key=lambda r: (_size(r["size"]), r["seq_len"], _mlp(r),
+                                                  order.get(r["variant"], 9), r["impl"])):
+                out.append(f"| {r['size']} | {r['seq_len']} | {r['variant']} | {r['impl']} | {r['mlp_align']} | "
+                           f"{r['ms']:.2f} | " + " | ".join(_f(r["split"].get(c), ".1f") for c in cols)
+                           + f" | {r.get('kernels', '-')} |")
+            out.append("")
     if lrows:
         idx = _index(lrows, "size", "layer", "impl", "seq_len", "tokens")
         out += [f"## Attention layer alone, forward + backward, autocast {data.get('amp')}", "",
@@ -413,7 +433,7 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", nargs="+", default=list(models.SIZES), choices=E.SIZES)
     p.add_argument("--variants", nargs="+", default=list(models.VARIANTS), choices=models.VARIANTS)
     p.add_argument("--impls", nargs="+", default=["flashswitch", "paper"], choices=E.IMPLS)
-    p.add_argument("--seq-lens", nargs="+", type=int, default=[512, 1024, 2048, 4096])
+    p.add_argument("--seq-lens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step (B = tokens / T)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (or layer calls) per case")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, allocator)")

@@ -57,39 +57,11 @@ SMOKE_CFG = LlamaConfig(vocab_size=256, hidden_size=96, num_layers=2, num_heads=
 SMOKE_EVA = {"chunk_size": 4, "window_size": 16}
 GiB = float(1 << 30)
 
-# kernel families of the profile split: the first pattern that a kernel's name matches (lower case)
-FAMILIES = (("op1", r"chunk_summ"),
-            ("op2_fwd", r"_eva_fwd|_eva_combine"),
-            ("op2_bwd", r"_eva_bwd"),
-            ("exact_attention", r"flash|fmha|cudnn|attention"),
-            ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|s16816|wgmma|splitk"),
-            ("loss", r"cross_entropy|log_softmax|nll_loss"),
-            ("optimizer", r"adam|multi_tensor"),
-            ("elementwise", r"."))  # norms, rotary, activations, casts, copies, fills
-SPLIT = tuple(f for f, _ in FAMILIES) + ("host",)
-
-
-def family(kernel: str) -> str:
-    name = kernel.lower()
-    return next(f for f, pattern in FAMILIES if re.search(pattern, name))
+# the profile split's columns (e2e_common.KERNEL_FAMILIES; op 3 runs in no Llama model)
+SPLIT = ("op1", "op2_fwd", "op2_bwd", "exact_attention", "gemm", "loss", "optimizer", "elementwise", "host")
 
 
 # ---------------------------------------------------------------- measuring
-def profile_split(fn) -> dict:
-    """One call of fn under the torch profiler: its GPU time by kernel family (ms), the kernel count."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    split, count = dict.fromkeys(SPLIT[:-1], 0.0), 0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            split[family(e.name)] += e.time_range.elapsed_us() / 1e3
-            count += 1
-    return {"split": split, "kernels": count}
-
-
 def call_ms(fn, reset, *, reps: int, warmup: int, device) -> list[float]:
     """Milliseconds of each of `reps` calls of fn after `warmup` ones: back to back (E.time_calls), or,
     where a reset() comes before each call, that reset run and waited for outside the timing."""
@@ -130,7 +102,7 @@ def timed(fn, reset, *, reps: int, warmup: int, device, graph: bool) -> dict:
         torch.cuda.reset_peak_memory_stats()
         if reset is not None:
             reset()
-        out.update(profile_split(fn))
+        out.update(E.profile_split(fn, SPLIT[:-1]))
         out["peak_GiB"] = torch.cuda.max_memory_allocated() / GiB
         out["split"]["host"] = max(out["ms"] - sum(out["split"].values()), 0.0)
         out["graph_ms"] = graph_ms(fn, reset, reps) if graph else None
