@@ -57,6 +57,7 @@ def test_regress_smoke_writes_report_and_passes(tmp_path, worktrees, monkeypatch
     assert isinstance(data["head"]["dirty"], bool) and data["rev"]["ref"] == "HEAD"
     assert "--against HEAD" in data["command"] and data["torch"] == torch.__version__ and data["triton"]
     assert data["device"] and data["date"] and data["smoke"] and data["failed"] == []
+    assert data["route"] == "torch"  # REV's extension is not built: route() takes torch ops on both sides
     names = [c["name"] for c in data["cases"]]
     assert names == ["expert_matmul fwd switchhead262m_v", "chunk_summaries fwd+bwd", "host bare triton launch",
                      "host route tiny", "host chunk_summaries fwd+bwd tiny"]

@@ -50,6 +50,7 @@ import torch  # noqa: E402
 
 from common import COMMIT_ENV, device_name, env_info, now, results_dir  # noqa: E402
 from flashswitch import registry  # noqa: E402
+from flashswitch.ops.expert_matmul import ROUTE_ENV  # noqa: E402  (REV reads the same variable)
 from regress_worker import make_inputs  # noqa: E402
 
 # test hook: head's timings (but the bare launch's, the host reference) multiplied by this factor, so a test
@@ -199,6 +200,13 @@ def head_state() -> tuple[str, bool]:
 
 
 # ---------------------------------------------------------------- workers
+def route_path(args) -> str:
+    """How route() sorts on both sides: with the CUDA extension's one-call sort ("device") only when
+    REV's extension is built too (--build, which --backend cuda needs), else torch ops on both: head
+    with its extension against REV without one times two different paths."""
+    return "device" if args.build else "torch"
+
+
 def _pin_to_host_cpu() -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
@@ -207,8 +215,8 @@ def _pin_to_host_cpu() -> None:
 class Worker:
     """One checkout's timing process (bench/tools/regress_worker.py), one JSON line per request and answer."""
 
-    def __init__(self, side: str, root: Path, smoke_cpu: bool):
-        env = {**os.environ, "PYTHONPATH": str(root)}
+    def __init__(self, side: str, root: Path, smoke_cpu: bool, route: str):
+        env = {**os.environ, "PYTHONPATH": str(root), ROUTE_ENV: route}
         env.pop("FLASHSWITCH_CONFIG_DIR", None)  # each side reads its own tuned configs
         env.pop("FLASHSWITCH_POISON", None)  # time what a user runs (the tests' NaN fill costs a kernel)
         if smoke_cpu:
@@ -335,7 +343,9 @@ def markdown(report: dict) -> str:
              + " or, for host rows, the CPU time per call over back-to-back calls (us); each side's value is its "
              f"median over rounds. ratio = head / REV (> 1: head slower; host rows: over the bare launch's ratio, "
              f"each process's own host speed); a gated ratio above {report['threshold']} fails; head failing a case "
-             "that REV runs fails too.", "",
+             "that REV runs fails too. route(): "
+             + ("the extension's device sort on both sides" if report.get("route") == "device" else
+                "torch ops on both sides (REV's extension is not built)") + ".", "",
              "| case | shape | unit | REV | head | ratio | head throughput | status |",
              "|---|---|---|---:|---:|---:|---:|---|"]
     for c in report["cases"]:
@@ -382,7 +392,8 @@ def run(args) -> int:
         print(f"regress: building the CUDA extension in {rev_root}", file=sys.stderr)
         if subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=rev_root, env=env).returncode:
             raise NeedsAttention(f"the build in {rev_root} failed")
-    workers = {"rev": Worker("rev", rev_root, not gpu), "head": Worker("head", ROOT, not gpu)}
+    route = route_path(args)
+    workers = {side: Worker(side, root, not gpu, route) for side, root in (("rev", rev_root), ("head", ROOT))}
     rows = []
     try:
         for w in workers.values():  # both import in parallel
@@ -404,7 +415,7 @@ def run(args) -> int:
         "command": shlex.join(["python", os.path.relpath(sys.argv[0], ROOT) if sys.argv[0] else "bench/tools/regress.py",
                                *sys.argv[1:]]),
         "date": now(), "device": device_name(), **{k: v for k, v in env_info().items() if k != "device"},
-        "backend": args.backend, "smoke": args.smoke, "rounds": rounds, "threshold": args.threshold,
+        "backend": args.backend, "route": route, "smoke": args.smoke, "rounds": rounds, "threshold": args.threshold,
         "head": {"commit": head_sha, "dirty": dirty, "root": str(ROOT)},
         "rev": {"ref": args.against, "commit": rev_sha, "root": str(rev_root)},
         **({"test_slowdown": slowdown} if slowdown != 1 else {}),
