@@ -41,15 +41,23 @@ def kernel_backends():
 
 
 TIMES_ENV = "FLASHSWITCH_TEST_TIMES"  # a file: one "seconds<TAB>outcome<TAB>test id" line per finished test
+FAILURES_ENV = "FLASHSWITCH_TEST_FAILURES"  # a file: each failure's report, as it happens
 
 
 def pytest_runtest_logreport(report):
-    """Append each test's call time to $FLASHSWITCH_TEST_TIMES as it finishes, so that a run cut by
-    its time limit still tells which tests took the time (pytest's --durations prints only at the end)."""
+    """Append each test's call time to $FLASHSWITCH_TEST_TIMES and each failure's report to
+    $FLASHSWITCH_TEST_FAILURES as they finish, so that a run cut by its time limit still tells which
+    tests took the time and why those that failed did (pytest prints both only at the end)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the controller gets every worker's reports
+        return
     path = os.environ.get(TIMES_ENV)
-    if path and not os.environ.get("PYTEST_XDIST_WORKER") and (report.when == "call" or report.failed):
+    if path and (report.when == "call" or report.failed):
         with open(path, "a") as fh:
             fh.write(f"{report.duration:.2f}\t{report.when}:{report.outcome}\t{report.nodeid}\n")
+    path = os.environ.get(FAILURES_ENV)
+    if path and report.failed:
+        with open(path, "a") as fh:
+            fh.write(f"==== {report.when} {report.nodeid}\n{report.longreprtext[-6000:]}\n\n")
 
 
 def pytest_collection_modifyitems(config, items):

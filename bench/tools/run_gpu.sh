@@ -7,7 +7,8 @@
 #   TUNE_BUDGET=240 STAGE_LIMIT=1200 bench/tools/run_gpu.sh   (autotune resumes; TUNE_FRESH=1 sweeps again.
 #   STAGE_LIMIT: seconds per stage, unless the stage's own BUILD_LIMIT / TEST_LIMIT (per file) / TUNE_LIMIT / BENCH_LIMIT (per op) is set; the build's defaults to 300)
 # Stage suite (not in the default list): the whole suite in one pytest process, one log (test_suite.log)
-# and each test's time as it finishes (test_times.tsv). For a suite longer than one command may run:
+# and each test's time and each failure's report as they come (test_times.tsv, test_failures.txt). For a
+# suite longer than one command may run:
 # stage suite_start launches it detached (setsid; it outlives the command, writing to $SUITE_DIR), and
 # stage suite_wait waits up to WAIT_LIMIT seconds (default 540) and returns its log so far; call it again
 # until the log ends with "== suite: rc=...".
@@ -69,13 +70,15 @@ if [[ " $SUITE_ARGS " == *" -n "* && "$SUITE_ARGS" != *"--dist"* ]] &&
   SUITE_ARGS="$SUITE_ARGS --dist worksteal"
 fi
 if stage suite; then  # the whole suite in one pytest run, one log (the record a GPU run is judged by)
-  FLASHSWITCH_TEST_TIMES="$LOGS/test_times.tsv" STAGE_LIMIT=$(limit "${TEST_LIMIT:-}") run test_suite \
+  FLASHSWITCH_TEST_TIMES="$LOGS/test_times.tsv" FLASHSWITCH_TEST_FAILURES="$LOGS/test_failures.txt" \
+    STAGE_LIMIT=$(limit "${TEST_LIMIT:-}") run test_suite \
     $PY -m pytest tests -p no:cacheprovider -rfE -v --durations=30 $SUITE_ARGS
 fi
 SUITE_DIR="${SUITE_DIR:-/tmp/flashswitch_suite}"
 if stage suite_start; then
   rm -rf "$SUITE_DIR" && mkdir -p "$SUITE_DIR"
-  FLASHSWITCH_TEST_TIMES="$SUITE_DIR/test_times.tsv" setsid nohup bash -c \
+  FLASHSWITCH_TEST_TIMES="$SUITE_DIR/test_times.tsv" FLASHSWITCH_TEST_FAILURES="$SUITE_DIR/test_failures.txt" \
+    setsid nohup bash -c \
     "$PY -m pytest tests -p no:cacheprovider -rfE -v --durations=30 $SUITE_ARGS > $SUITE_DIR/test_suite.log 2>&1; echo \$? > $SUITE_DIR/rc" \
     > /dev/null 2>&1 < /dev/null &
   echo "== suite started in the background, writing $SUITE_DIR"
@@ -83,7 +86,7 @@ fi
 if stage suite_wait; then
   t0=$SECONDS
   while [ ! -f "$SUITE_DIR/rc" ] && [ $((SECONDS - t0)) -lt "${WAIT_LIMIT:-540}" ]; do sleep 5; done
-  cp "$SUITE_DIR/test_suite.log" "$SUITE_DIR/test_times.tsv" "$LOGS/" 2>/dev/null
+  cp "$SUITE_DIR/test_suite.log" "$SUITE_DIR/test_times.tsv" "$SUITE_DIR/test_failures.txt" "$LOGS/" 2>/dev/null
   if [ -f "$SUITE_DIR/rc" ]; then
     echo "== suite: rc=$(cat "$SUITE_DIR/rc")" | tee -a "$LOGS/test_suite.log"
     [ "$(cat "$SUITE_DIR/rc")" = 0 ] || status=1
