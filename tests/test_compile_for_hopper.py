@@ -81,11 +81,12 @@ def test_sass_comparison_tells_a_code_change_apart(tmp_path):
 
 
 def test_eva_cache_step_kernels_compile_for_sm90(tmp_path):
-    """The launches of an EvaCache decode step (the two around op 1, and the one-launch step), each window,
-    with and without a bias tensor."""
+    """The launches of an EvaCache: its prefill (a one-token prompt among them) and a decode step's (the two
+    around op 1, and the one-launch step), each window, with and without a bias tensor."""
     proc, rows = _compile_check(tmp_path, "--ops", "eva_cache")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(rows) == 4 and all(r["ok"] for r in rows)
     for r in rows:
-        assert {k["name"] for k in r["kernels"]} == {"_gather_chunk_kernel", "_append_kernel", "_step_kernel"}
+        assert {k["name"] for k in r["kernels"]} == {"_gather_chunk_kernel", "_append_kernel", "_step_kernel",
+                                                     "_prefill_kernel"}
         assert all(k["regs"] <= 128 and k["local"] == 0 for k in r["kernels"]), r

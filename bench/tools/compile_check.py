@@ -230,10 +230,10 @@ def check_op(op: str, shapes, first, arch: int, dtype: str, tuned=None) -> list[
 
 
 def check_eva_cache(arch: int, dtype: str) -> list[dict]:
-    """Compile the launches of an EvaCache decode step (kernels_triton/eva_cache.py) as a cache of the e2e
-    generation's shape launches them: each window, with and without a summary-bias tensor; the two
-    around op 1, and the one-launch step (mean summaries with the log-count bias, weighted ones with
-    the tensor)."""
+    """Compile the launches of an EvaCache (kernels_triton/eva_cache.py) as a cache of the e2e generation's
+    shape launches them: each window, with and without a summary-bias tensor; the prefill's (prompts of
+    1 and 37 tokens), and a decode step's: the two around op 1, and the one-launch step (mean summaries
+    with the log-count bias, weighted ones with the tensor)."""
     from flashswitch import EvaCache, registry
     from flashswitch.kernels_triton import eva_cache as kernels
 
@@ -253,6 +253,12 @@ def check_eva_cache(arch: int, dtype: str) -> list[dict]:
             centre = torch.zeros(Hkv, D, dtype=dt) if bias == "tensor" else None
             kernels.step(cache.k, cache.v, cache.bias, cache.lengths, cache._done_programs, x, x, centre, centre,
                          user, window_size=W, window=window, on_bias=0.0, scale=D ** -0.5, **shape)
+            for P in (1, 37):  # prompts of one token (an int argument of 1 is a constexpr to Triton) and more
+                kv = torch.zeros(B, Hkv, P, D, dtype=dt)
+                summ = torch.zeros(B, Hkv, -(-P // C), D, dtype=dt)
+                given = torch.full((B,), P) if P > 1 else None  # ragged prompts, and all of length P
+                kernels.prefill(cache.k, cache.v, cache.lengths, kv, kv, summ, summ, given,
+                                num_summaries=cache.num_summaries, ring_size=cache.ring_size)
 
         config = {"window": window, "summary_bias": bias}
         rows.append(compile_row({"op": "eva_cache", "shape": index, "config": config}, [kernels], run, arch,

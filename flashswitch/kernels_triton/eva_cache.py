@@ -210,7 +210,7 @@ def _step_kernel(k_ptr, v_ptr, bias_ptr, len_ptr, cnt_ptr, kn_ptr, vn_ptr, om_pt
         tl.store(cnt_ptr + b, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # P = 1 would be a constexpr, which has no .to()
 def _prefill_kernel(k_ptr, v_ptr, len_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, pl_ptr, P, Hkv, Nc, S, R, D,
                     s_b, s_h, s_n, kp_b, kp_h, kp_n, vp_b, vp_h, vp_n, ks_b, ks_h, ks_n, vs_b, vs_h, vs_n,
                     HAS_LENGTHS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr):
