@@ -2,7 +2,8 @@
 EvaCache), SwitchHeadAttention and SigmaMoE (mixture-of-experts projections through route +
 expert_matmul). Models: `flashswitch.nn.models`, `flashswitch.nn.llama`; pretrained weights from GGUF
 files: `flashswitch.nn.pretrained` (imported on first use; it needs gguf and tokenizers only when it
-loads a file). Hugging Face transformers glue lives in `flashswitch.nn.hf` (imported on demand;
+loads a file). `convert` turns an exact Llama model into a FlashEVA one, with attention transfer
+(nn/transfer.py). Hugging Face transformers glue lives in `flashswitch.nn.hf` (imported on demand;
 transformers is optional)."""
 import importlib
 
@@ -10,6 +11,7 @@ from flashswitch.nn.eva_attention import EvaAttention
 from flashswitch.nn.rotary import Rotary, apply_rotary
 from flashswitch.nn.sigma_moe import SigmaMoE
 from flashswitch.nn.switchhead import SwitchHeadAttention
+from flashswitch.nn.transfer import attention_transfer, convert
 
 _LAZY = ("pretrained",)
 
@@ -20,4 +22,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["EvaAttention", "Rotary", "apply_rotary", "SwitchHeadAttention", "SigmaMoE", "pretrained"]
+__all__ = ["EvaAttention", "Rotary", "apply_rotary", "SwitchHeadAttention", "SigmaMoE", "attention_transfer",
+           "convert", "pretrained"]
