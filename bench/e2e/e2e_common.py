@@ -76,10 +76,11 @@ def amp_dtype(device) -> torch.dtype | None:
 
 
 def train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | None = None, clip: float | None = None,
-               scheduler=None) -> torch.Tensor:
+               scheduler=None, loss=None) -> torch.Tensor:
     """One step: forward (autocast to `amp` when given), backward, optional gradient clipping, AdamW.
-    Returns the loss as a detached device tensor (no host sync)."""
-    loss = _loss_backward(model, tokens, amp)
+    Returns the loss as a detached device tensor (no host sync). `loss(tokens)`: the objective (default
+    model.loss)."""
+    loss = _loss_backward(model, tokens, amp, loss)
     if clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
@@ -89,9 +90,10 @@ def train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | None = No
     return loss.detach()
 
 
-def _loss_backward(model, tokens: torch.Tensor, amp: torch.dtype | None) -> torch.Tensor:
+def _loss_backward(model, tokens: torch.Tensor, amp: torch.dtype | None, loss=None) -> torch.Tensor:
+    """The loss of tokens (`loss(tokens)`, default model.loss) under autocast to `amp`, back-propagated."""
     with torch.autocast(tokens.device.type, dtype=amp or torch.float32, enabled=amp is not None):
-        loss = model.loss(tokens)
+        loss = (loss or model.loss)(tokens)
     loss.backward()
     return loss
 
@@ -128,7 +130,7 @@ def captured_train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | 
 
 
 def graphed_train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | None = None,
-                       clip: float | None = None):
+                       clip: float | None = None, loss=None):
     """A training step (forward, backward, optional gradient clipping, AdamW) captured in a CUDA graph
     on the static batch `tokens`: returns run(batch) -> the loss tensor, which copies batch into
     tokens and replays. `opt` must be capturable (make_optimizer), its learning rate a tensor to change
@@ -139,7 +141,7 @@ def graphed_train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | N
     out = {}
 
     def step():
-        out["loss"] = _loss_backward(model, tokens, amp).detach()
+        out["loss"] = _loss_backward(model, tokens, amp, loss).detach()
         if clip:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
@@ -161,24 +163,25 @@ def graphed_train_step(model, opt, tokens: torch.Tensor, *, amp: torch.dtype | N
 
 
 def trainer(model, *, lr: float, weight_decay: float = 0.0, schedule=None, batch_shape: tuple,
-            amp: torch.dtype | None = None, clip: float | None = None, graphed: bool = False):
+            amp: torch.dtype | None = None, clip: float | None = None, graphed: bool = False, loss=None):
     """(step, opt): step(batch) runs one training step (train_step: forward, backward, clipping at
     `clip`, AdamW) and returns its loss as a detached device tensor; its i-th call (from 0) uses the
     learning rate lr * schedule(i) (schedule None: constant). `graphed` (CUDA): the step is captured
     once in a CUDA graph on a static batch of `batch_shape` (graphed_train_step) and each call copies
     the batch in and replays it: no host work per kernel, so a small model is no longer paced by its
-    host; the learning rate then lives in a device tensor the schedule fills."""
+    host; the learning rate then lives in a device tensor the schedule fills. `loss(tokens)`: the
+    objective (default model.loss)."""
     schedule = schedule or (lambda i: 1.0)
     calls = iter(range(1 << 62))
     if not graphed:
         opt = make_optimizer(model, lr=lr, weight_decay=weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-        return (lambda batch: train_step(model, opt, batch, amp=amp, clip=clip, scheduler=sched)), opt
+        return (lambda batch: train_step(model, opt, batch, amp=amp, clip=clip, scheduler=sched, loss=loss)), opt
     device = next(model.parameters()).device
     lr_now = torch.tensor(lr * schedule(0), dtype=torch.float32, device=device)
     opt = make_optimizer(model, lr=lr_now, weight_decay=weight_decay, capturable=True)
     static = torch.zeros(batch_shape, dtype=torch.long, device=device)
-    run = graphed_train_step(model, opt, static, amp=amp, clip=clip)
+    run = graphed_train_step(model, opt, static, amp=amp, clip=clip, loss=loss)
 
     def step(batch: torch.Tensor) -> torch.Tensor:
         lr_now.fill_(lr * schedule(next(calls)))

@@ -369,15 +369,21 @@ class Run:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
         tmp.replace(path)
-        (folder / f"{self.stem}.md").write_text(markdown(self.data) + "\n")
-        if self.data["generations"]:
+        (folder / f"{self.stem}.md").write_text(self.markdown(self.data) + "\n")
+        if self.data.get("generations"):
             (folder / f"{self.stem}_generations.md").write_text(generations_markdown(self.data) + "\n")
         if not figure:
             return
         try:
-            plot(self.data, folder / f"{self.stem}.png")
+            self.plot(self.data, folder / f"{self.stem}.png")
         except Exception as err:  # noqa: BLE001 (a plot that fails costs only the plot)
             print(f"plot failed: {err}", flush=True)
+
+    def markdown(self, d: dict) -> str:  # a script built on this Run writes its own tables and plot
+        return markdown(d)
+
+    def plot(self, d: dict, path: Path) -> bool:
+        return plot(d, path)
 
 
 # ---------------------------------------------------------------- perplexity
