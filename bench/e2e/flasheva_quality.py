@@ -136,11 +136,8 @@ def fine_tune(run, settings: dict, steps: int, *, budgets=(), variant: str = "",
         loss = step_fn(e2e_text.random_batch(run.train_ids, args.batch, args.seq, g))
         if step > steps - max(1, steps // 10):
             tail, n_tail = tail + loss, n_tail + 1
-        if step in marks and on_budget is not None:
-            run.model.compile_regions(False)
+        if step in marks and on_budget is not None:  # evaluates a copy (run.infer): the step's graph stays
             on_budget(marks[step])
-            if args.compile:
-                run.model.compile_regions()
     run.model.compile_regions(False)
     del step_fn, opt
     return float(tail / max(n_tail, 1))
