@@ -853,17 +853,36 @@ def plot(d: dict, path: Path) -> bool:
         ax.grid(True, alpha=0.3)
     if ft:
         axes[0].legend(fontsize=8)
-    fig.suptitle(f"FlashEVA on {d.get('model', {}).get('name', '?')}, {d.get('device', '?')}, "
-                 f"{provenance_line(d)}", fontsize=9)
-    command = textwrap.wrap(d.get("command", ""), 240)
-    fig.text(0.005, 0.005, "\n".join(command), fontsize=7, family="monospace")
-    fig.tight_layout(rect=(0, 0.025 * len(command), 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, f"FlashEVA on {d.get('model', {}).get('name', '?')}, {d.get('device', '?')}, "
+                f"{provenance_line(d)}", d.get("command", ""), path)
     return True
 
 
+def save_figure(plt, fig, title: str, command: str, path: Path) -> None:
+    """The figure with its title and, along the bottom, the command that made it, written to path."""
+    fig.suptitle(title, fontsize=9)
+    lines = textwrap.wrap(command, 240)
+    fig.text(0.005, 0.005, "\n".join(lines), fontsize=7, family="monospace")
+    fig.tight_layout(rect=(0, 0.025 * len(lines), 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ---------------------------------------------------------------- main
+def parse_knobs(p: argparse.ArgumentParser, knobs: dict, argv):
+    """p's arguments parsed, with a flag per knob (name: (full, --smoke, help)); an unset knob takes its
+    --smoke or its full value."""
+    for name, (full, smoke, text) in knobs.items():
+        kind = type(full[0] if isinstance(full, list) else full)
+        p.add_argument("--" + name.replace("_", "-"), type=kind, nargs="+" if isinstance(full, list) else None,
+                       help=f"{text} (default {full}; --smoke: {smoke})")
+    args = p.parse_args(argv)
+    for name, (full, smoke, _) in knobs.items():
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
+    return args
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -895,15 +914,7 @@ def parse_args(argv):
                    help="where the token ids are cached")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<device>/ on a GPU)")
-    for name, (full, smoke, text) in KNOBS.items():
-        flag = "--" + name.replace("_", "-")
-        kind = type(full[0] if isinstance(full, list) else full)
-        p.add_argument(flag, type=kind, nargs="+" if isinstance(full, list) else None,
-                       help=f"{text} (default {full}; --smoke: {smoke})")
-    args = p.parse_args(argv)
-    for name, (full, smoke, _) in KNOBS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, smoke if args.smoke else full)
+    args = parse_knobs(p, KNOBS, argv)
     args.summary_bias = None if args.summary_bias == "none" else args.summary_bias
     cuda = torch.device(args.device).type == "cuda"
     if args.compile is None:

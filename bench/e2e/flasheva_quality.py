@@ -31,7 +31,6 @@ import random
 import shlex
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -332,12 +331,8 @@ def plot(d: dict, path: Path) -> bool:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.suptitle(f"FlashEVA quality, {d.get('device', '?')}, {provenance_line(d)}", fontsize=9)
-    command = textwrap.wrap(d.get("command", ""), 200)
-    fig.text(0.005, 0.005, "\n".join(command), fontsize=7, family="monospace")
-    fig.tight_layout(rect=(0, 0.03 * len(command), 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    P.save_figure(plt, fig, f"FlashEVA quality, {d.get('device', '?')}, {provenance_line(d)}", d.get("command", ""),
+                  path)
     return True
 
 
@@ -388,14 +383,7 @@ def parse_args(argv):
     p.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "flashswitch")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<device>/ on a GPU)")
-    for name, (full, smoke, text) in KNOBS.items():
-        kind = type(full[0] if isinstance(full, list) else full)
-        p.add_argument("--" + name.replace("_", "-"), type=kind, nargs="+" if isinstance(full, list) else None,
-                       help=f"{text} (default {full}; --smoke: {smoke})")
-    args = p.parse_args(argv)
-    for name, (full, smoke, _) in KNOBS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, smoke if args.smoke else full)
+    args = P.parse_knobs(p, KNOBS, argv)
     cuda = torch.device(args.device).type == "cuda"
     args.compile = cuda if args.compile is None else args.compile
     args.cuda_graph = cuda if args.cuda_graph is None else args.cuda_graph
