@@ -19,7 +19,7 @@ curves  each of --curve-variants fine-tuned from the pretrained weights on the s
         next-token distribution, so text that repeats still teaches more than its next token.
 pareto  from the exact model at the largest budget (the pretrained one without the curves part): EVA
         sliding at each --pareto-eva W,C and the exact sliding window at each --pareto-swa W, each
-        fine-tuned --pareto-steps steps, then perplexity at the longer length, the KV-cache bytes of one
+        fine-tuned --pareto-steps steps (no compile: a few steps do not repay it), then perplexity at the longer length, the KV-cache bytes of one
         sequence at that length, and passkey accuracy at --passkey-length. An EVA point is below the sliding-window
         frontier when its perplexity is lower than every window's that needs no more bytes.
 """
@@ -114,15 +114,17 @@ def perplexities(run, settings: dict, lengths) -> dict:
     return {N: math.exp(nll) for N, (nll, _) in P.perplexity(run, state, settings, lengths).items()}
 
 
-def fine_tune(run, settings: dict, steps: int, *, budgets=(), variant: str = "", on_budget=None) -> float:
+def fine_tune(run, settings: dict, steps: int, *, budgets=(), on_budget=None, compile: bool = True) -> float:
     """run.model (holding `settings`) fine-tuned `steps` steps on the training batches (the same for every
-    call: seeded), calling on_budget(tokens) after the step that reaches each of `budgets`. Returns the
+    call: seeded), calling on_budget(tokens) after the step that reaches each of `budgets`; through
+    compile_regions where --compile and `compile` ask (a few steps do not repay the compile). Returns the
     mean loss of the last tenth of the steps."""
     args = run.args
     per_step = args.batch * args.seq
     marks = {max(1, b // per_step): b for b in budgets}
     run.model.train()
-    if args.compile:
+    compile = compile and args.compile
+    if compile:
         torch._dynamo.reset()
         run.model.compile_regions()
     objective = kd_loss(run.model, run.teacher, args.kd) if args.kd else None
@@ -182,7 +184,7 @@ def part_curves(run) -> None:
                       f"[{run.elapsed():.0f} s]", flush=True)
                 run.save()
 
-            fine_tune(run, settings, steps, budgets=args.budgets, variant=variant, on_budget=on_budget)
+            fine_tune(run, settings, steps, budgets=args.budgets, on_budget=on_budget)
             if variant == "exact":
                 run.exact_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -223,7 +225,7 @@ def part_pareto(run) -> None:
         def one(kind=kind, W=W, C=C):
             settings = eva(W, C) if kind == "eva" else swa(W, C)
             model = P.load_into(run.model, start, settings)
-            fine_tune(run, settings, args.pareto_steps)
+            fine_tune(run, settings, args.pareto_steps, compile=False)
             ppl = perplexities(run, settings, [N])[N]
             kv = kv_bytes(run.inference(start, settings), settings, N)
             acc = passkey_accuracy(run, settings, args.passkey_length, keys)
