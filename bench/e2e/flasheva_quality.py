@@ -19,9 +19,10 @@ curves  each of --curve-variants fine-tuned from the pretrained weights on the s
         next-token distribution, so text that repeats still teaches more than its next token.
 pareto  from the exact model at the largest budget (the pretrained one without the curves part): EVA
         sliding at each --pareto-eva W,C and the exact sliding window at each --pareto-swa W, each
-        fine-tuned --pareto-steps steps (no compile: a few steps do not repay it), then perplexity at the longer length, the KV-cache bytes of one
-        sequence at that length, and passkey accuracy at --passkey-length. An EVA point is below the sliding-window
-        frontier when its perplexity is lower than every window's that needs no more bytes.
+        fine-tuned --pareto-steps steps (not compiled: a few steps do not repay it), then perplexity at
+        the longer length, the KV-cache bytes of one sequence at that length, and passkey accuracy at
+        --passkey-length. An EVA point is below the sliding-window frontier when its perplexity is lower
+        than every window's that needs no more bytes.
 """
 from __future__ import annotations
 
