@@ -26,7 +26,9 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
                print_blob=True, database=None)
 _DEFAULT = "gpu" if torch.cuda.is_available() else "ci"
 settings.register_profile("ci", max_examples=12, derandomize=True, **_common)
-settings.register_profile("gpu", max_examples=60, derandomize=True, **_common)
+# "gpu" runs a third of what "explore" draws on the device: every strategy stays the same (each branch
+# reachable), the long draws are explore's / fuzz's job and the whole suite fits one GPU visit
+settings.register_profile("gpu", max_examples=20, derandomize=True, **_common)
 settings.register_profile("explore", max_examples=60 if _DEFAULT == "gpu" else 12, **_common)
 settings.register_profile("fuzz", max_examples=2000, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _DEFAULT))
@@ -65,6 +67,45 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+    if torch.cuda.is_available():  # gpu_spread: on the GPU only the chosen cases of a parametrization
+        kept, dropped = [], []
+        for item in items:
+            mark = item.get_closest_marker("gpu_spread")
+            keep = mark is None or not hasattr(item, "callspec") or mark.kwargs["keep"](**item.callspec.params)
+            (kept if keep else dropped).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
+
+
+def gpu_spread(keep):
+    """Mark: on the GPU, run only the parametrized cases for which keep(**params) is true (the others are
+    deselected); on the CPU every case is collected as before. For GPU sweeps whose every combination
+    costs compiles: `keep` picks a deterministic spread that still has every value of every parameter,
+    and every pair of values where the docstring says so."""
+    return pytest.mark.gpu_spread(keep=keep)
+
+
+_ABSENT = "<absent>"
+
+
+def covering_indices(configs: list) -> list:
+    """Sorted indices of a deterministic spread of `configs` (dicts): the first, middle and last, then,
+    greedily, the config that adds the most (key, value) pairs not yet present (lowest index on a tie)
+    until every (key, value) pair of the list is present at least once (a key a config lacks counts as
+    the value "absent")."""
+    if not configs:
+        return []
+    keys = sorted({k for c in configs for k in c})
+    pairs = [{(k, repr(c.get(k, _ABSENT))) for k in keys} for c in configs]
+    picked = sorted({0, len(configs) // 2, len(configs) - 1})
+    seen = set().union(*(pairs[i] for i in picked))
+    want = set().union(*pairs)
+    while seen != want:
+        i = max(range(len(configs)), key=lambda j: (len(pairs[j] - seen), -j))
+        picked.append(i)
+        seen |= pairs[i]
+    return sorted(picked)
 
 
 @pytest.fixture(params=KERNELS)

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import DEVICE, cuda_graph_capture, dtypes_here, kernel_backends
+from conftest import DEVICE, covering_indices, cuda_graph_capture, dtypes_here, gpu_spread, kernel_backends
+from flashswitch.backends import KERNELS
 from flashswitch.autotune import space
 from flashswitch.kernels_triton.eva_attention_bwd import _kv_walk_range
 from flashswitch.ops import eva_attention as op
@@ -218,15 +219,27 @@ def test_reference_backend_gradients(case):
     _check(_grads(_kernel("reference"), p, do, dlse), p, do, dlse)
 
 
+TILE_PROBLEMS = [(4, 32, None), (3, 9, "log_count"), (2, 30, "tensor")]
+TILE_CONFIGS = [(16, 16, 1, False), (32, 16, 3, False), (16, 16, 1, True), (32, 16, 3, True), (16, 32, 2, True)]
+
+
+def _tile_kind_spread(window, C, W, bias, bm, bn, splits, split_loops):
+    """Every (tiles, problem) pair once, the window kinds alternating: every pair of values of any two
+    parameters occurs (15 of the 30 combinations)."""
+    i, j = TILE_CONFIGS.index((bm, bn, splits, split_loops)), TILE_PROBLEMS.index((C, W, bias))
+    return ["block", "sliding"].index(window) == (i + j) % 2
+
+
+@gpu_spread(_tile_kind_spread)
 @pytest.mark.parametrize("window", ["block", "sliding"])
-@pytest.mark.parametrize("C,W,bias", [(4, 32, None), (3, 9, "log_count"), (2, 30, "tensor")])
-@pytest.mark.parametrize("bm,bn,splits,split_loops", [(16, 16, 1, False), (32, 16, 3, False), (16, 16, 1, True),
-                                                      (32, 16, 3, True), (16, 32, 2, True)])
+@pytest.mark.parametrize("C,W,bias", TILE_PROBLEMS)
+@pytest.mark.parametrize("bm,bn,splits,split_loops", TILE_CONFIGS)
 def test_every_tile_kind(bwd_backend, window, C, W, bias, bm, bn, splits, split_loops):
     """Small tiles on a long problem: query tiles that see a key / summary tile fully and partly (window
     and chunk edges at every offset within a tile), summaries seen by every later query, GQA, q_offset
     not tile aligned, keys before the first query. KV_SPLIT_LOOPS: the dK/dV walk's leading, unmasked
-    middle and trailing loops, each cut into the summary pieces."""
+    middle and trailing loops, each cut into the summary pieces. Each case compiles its tiles: the GPU
+    runs the pairwise spread `_tile_kind_spread`, the CPU every case."""
     p = random_problem(1, 4, 2, 50, 110, 16, C, W, window=window, summary_bias=bias, q_offset=46,
                        device=DEVICE, seed=5)
     do, dlse = _upstream(p, 1)
@@ -353,19 +366,29 @@ def test_head_dims(backend, D):
 
 
 def _space_cases():
+    """(dtype, decode, config index): on the GPU a covering spread of each space (conftest.covering_indices:
+    the first, middle and last config, and configs until every value of every config key, absence
+    included, occurs at least once), on the CPU the first, middle and last of the fp32 ones."""
     cases = []
     for dtype in (["fp32", "fp16", "bf16"] if GPU else ["fp32"]):
         for decode in (False, True):
             f = dict(dtype=dtype, D=64 if GPU else 16, C=4, W=16, window="block", decode=decode)
-            n = len(space.config_space(op.OP_BWD, "triton", f))
-            picks = range(n) if GPU else sorted({0, n // 2, n - 1})
+            cfgs = space.config_space(op.OP_BWD, "triton", f)
+            n = len(cfgs)
+            picks = covering_indices(cfgs) if GPU else sorted({0, n // 2, n - 1})
             cases += [(dtype, decode, i) for i in picks]
     return cases
 
 
 @pytest.mark.parametrize("dtype,decode,index", _space_cases())
 def test_explicit_configs_from_the_space(bwd_backend, dtype, decode, index):
-    """Configs of the backward space (all on the GPU, a spread on the CPU) give right gradients."""
+    """Configs of the backward space (a covering spread on the GPU, the first, middle and last on the CPU;
+    `_space_cases`) give right gradients. Each config is a compile, so the GPU does not run them all:
+    every config of the spaces at the tuning shapes compiles for sm_90 without a
+    GPU with `bench/tools/compile_check.py --ops eva_attention.bwd` (by hand: tests/test_compile_for_hopper.py runs it
+    on the tuned and default configs only), and the autotuner (autotune/tune.py) checks the config it keeps
+    against the fp64 reference on NaN-poisoned outputs, taking the next fastest when it is wrong; the
+    configs it only times are not checked."""
     tdt = {"fp32": F32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     D = 64 if GPU else 16
     f = dict(dtype=dtype, D=D, C=4, W=16, window="block", decode=decode)
@@ -573,12 +596,25 @@ def test_cuda_graph_forward_backward(backend):
     _check(tuple(g.clone() for g in out), p2, do, dlse)
 
 
+LARGE_SHAPES = [(64, "block", 16, 256), (128, "block", 16, 512), (128, "sliding", 32, 256), (76, "sliding", 8, 72),
+                (256, "block", 16, 128)]
+LARGE_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _large_spread(backend, dtype, D, window, C, W):
+    """Every (shape, backend) pair once, the dtypes alternating: every pair of values of any two
+    parameters occurs (15 of the 30 combinations; the backends differ in the forward only)."""
+    i = LARGE_SHAPES.index((D, window, C, W))
+    return LARGE_DTYPES.index(dtype) == (i + KERNELS.index(backend)) % 2
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D,window,C,W", [(64, "block", 16, 256), (128, "block", 16, 512), (128, "sliding", 32, 256),
-                                          (76, "sliding", 8, 72), (256, "block", 16, 128)])
+@gpu_spread(_large_spread)
+@pytest.mark.parametrize("dtype", LARGE_DTYPES)
+@pytest.mark.parametrize("D,window,C,W", LARGE_SHAPES)
 def test_large_16bit(backend, dtype, D, window, C, W):
-    """Tensor-core tiles of the default config at sizes where every loop runs many blocks."""
+    """Tensor-core tiles of the default config at sizes where every loop runs many blocks. Each case
+    compiles the default tiles of its shape and dtype: the GPU runs the pairwise spread `_large_spread`."""
     p = random_problem(1, 4, 2, None, 1100, D, C, W, window=window, summary_bias="log_count", dtype=dtype,
                        device=DEVICE, seed=D)
     do, dlse = _upstream(p, D)
@@ -589,14 +625,23 @@ def test_large_16bit(backend, dtype, D, window, C, W):
         assert a is None or torch.equal(a, b), name
 
 
+SPLIT_LOOP_SHAPES = [(64, "block", 16, 256, 0), (128, "block", 16, 512, 3), (128, "sliding", 32, 256, 0),
+                     (76, "sliding", 8, 72, 2), (256, "block", 16, 128, 0)]
+
+
+def _split_loops_spread(dtype, D, window, C, W, splits):
+    """Each shape once, fp16 and bf16 alternating over the shapes (5 of the 10 combinations)."""
+    return LARGE_DTYPES.index(dtype) == SPLIT_LOOP_SHAPES.index((D, window, C, W, splits)) % 2
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D,window,C,W,splits", [(64, "block", 16, 256, 0), (128, "block", 16, 512, 3),
-                                                 (128, "sliding", 32, 256, 0), (76, "sliding", 8, 72, 2),
-                                                 (256, "block", 16, 128, 0)])
+@gpu_spread(_split_loops_spread)
+@pytest.mark.parametrize("dtype", LARGE_DTYPES)
+@pytest.mark.parametrize("D,window,C,W,splits", SPLIT_LOOP_SHAPES)
 def test_large_16bit_split_loops(bwd_backend, dtype, D, window, C, W, splits):
     """KV_SPLIT_LOOPS on the default tiles, 16-bit tensor cores, long unmasked middle loops, summary
-    pieces (the Triton 3.6 pipeliner once miscompiled a dK/dV loop in 16-bit only); deterministic."""
+    pieces (the Triton 3.6 pipeliner once miscompiled a dK/dV loop in 16-bit only); deterministic.
+    Each case compiles: the GPU runs each shape in one of the two 16-bit dtypes (`_split_loops_spread`)."""
     p = random_problem(1, 4, 2, None, 1100, D, C, W, window=window, summary_bias="tensor", dtype=dtype,
                        device=DEVICE, seed=D)
     do, dlse = _upstream(p, D)

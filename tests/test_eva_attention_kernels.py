@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import DEVICE, dense_causal, dtypes_here
+from conftest import DEVICE, covering_indices, dense_causal, dtypes_here, gpu_spread
 from flashswitch import backends
 from flashswitch.autotune import space
 from flashswitch.ops import eva_attention as op
@@ -258,18 +258,33 @@ def test_tma_descriptors(backend, window, pack, Nq, bias, fuse, monkeypatch):
     assert_close("o", out[0], ref_o, dtype, baseline=base_o)
 
 
+TMA_TUNED = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
+             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, QREG=True),
+             dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, QREG=True)]
+TMA_TUNED_HEADS = [(128, 4), (64, 2)]
+TMA_TUNED_WALKS = [("block", False), ("block", True), ("sliding", True)]
+
+
+def _tma_tuned_spread(cfg, D, Hkv, window, fuse):
+    """Every (tile, walk) pair, the head dims alternating: each tile meets both head dims and each walk
+    both head dims (15 of the 30 combinations)."""
+    i, j = TMA_TUNED.index(cfg), TMA_TUNED_WALKS.index((window, fuse))
+    return TMA_TUNED_HEADS.index((D, Hkv)) == (i + j) % 2
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-                                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-                                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
-                                 dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, QREG=True),
-                                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, QREG=True)])
-@pytest.mark.parametrize("D,Hkv", [(128, 4), (64, 2)])
-@pytest.mark.parametrize("window,fuse", [("block", False), ("block", True), ("sliding", True)])
+@gpu_spread(_tma_tuned_spread)
+@pytest.mark.parametrize("cfg", TMA_TUNED)
+@pytest.mark.parametrize("D,Hkv", TMA_TUNED_HEADS)
+@pytest.mark.parametrize("window,fuse", TMA_TUNED_WALKS)
 def test_tma_tuned_tiles(cfg, D, Hkv, window, fuse):
     """The TMA tiles the H200 tuner picks (five-loop walk for block windows, one-loop walk for both),
     on a problem with ragged tiles (Nq and q_offset not tile multiples, packed GQA) and NaN in the
-    unused cache capacity past Nk and in the summaries no query sees."""
+    unused cache capacity past Nk and in the summaries no query sees. Each tile compiles per head dim
+    and walk; the GPU runs the pairwise spread `_tma_tuned_spread` (every tile with every walk and with
+    both head dims), not all 30 combinations."""
     C, W, Nk, cap = 16, 256, 1000, 1100
     p = random_problem(2, 8, Hkv, 700, cap, D, C, W, window=window, summary_bias="log_count", q_offset=Nk - 700,
                        dtype=torch.bfloat16, device=DEVICE, seed=D)
@@ -292,16 +307,29 @@ def _gluon_tiles():
     return out
 
 
+GLUON_WINDOWS = [("block", 16, 256), ("sliding", 8, 72), ("block", 4, 4)]
+GLUON_INPUTS = [(None, torch.bfloat16, False), ("log_count", torch.bfloat16, False), (None, torch.float16, True)]
+
+
+def _gluon_spread(cfg, D, G, window, C, W, bias, dtype, prefill):
+    """Every (tile, window) pair once, the input kind (bias / dtype / prefill) chosen so that every
+    (tile, input kind) and every (window, input kind) pair occurs too: a third of the combinations."""
+    i = [(d, g, c) for d, g, c in _gluon_tiles()].index((D, G, cfg))
+    j = GLUON_WINDOWS.index((window, C, W))
+    return GLUON_INPUTS.index((bias, dtype, prefill)) == (i + j) % 3
+
+
 @pytest.mark.gpu
+@gpu_spread(_gluon_spread)
 @pytest.mark.parametrize("D,G,cfg", _gluon_tiles())
-@pytest.mark.parametrize("window,C,W", [("block", 16, 256), ("sliding", 8, 72), ("block", 4, 4)])
-@pytest.mark.parametrize("bias,dtype,prefill", [(None, torch.bfloat16, False), ("log_count", torch.bfloat16, False),
-                                                (None, torch.float16, True)])
+@pytest.mark.parametrize("window,C,W", GLUON_WINDOWS)
+@pytest.mark.parametrize("bias,dtype,prefill", GLUON_INPUTS)
 def test_gluon_kernel(cfg, D, G, window, C, W, bias, dtype, prefill, monkeypatch):
     """Config GLUON (the warp-specialized Hopper kernel) against the oracle on ragged tiles: chunked
     prefill (Nq and q_offset not tile multiples) with NaN in the cache capacity past Nk and in the
     summaries no query sees, and a whole prefill in fp16; the kernel must have run (not the Triton
-    fallback)."""
+    fallback). Every case compiles its own kernel: the GPU runs the spread `_gluon_spread` (each tile
+    with each window kind, each tile and each window kind with each input kind), not the product."""
     Nk, cap, Nq = (700, 700, 700) if prefill else (700, 800, 300)
     p = random_problem(2, 2 * G, 2, Nq, cap, D, C, W, window=window, summary_bias=bias, q_offset=Nk - Nq,
                        dtype=dtype, device=DEVICE, seed=D + C)
@@ -371,13 +399,16 @@ def _space_configs(window, decode):
 
 
 def _space_cases():
-    """(window, decode, config index): every config of the spaces on a GPU (one test each, so that
-    pytest-xdist spreads the compiles), a spread of them on the CPU."""
+    """(window, decode, config index): on a GPU a covering spread of each space (conftest.covering_indices:
+    the first, middle and last config, and configs until every value of every config key, absence
+    included, occurs at least once; one test each, so that pytest-xdist spreads the compiles), a spread
+    of them on the CPU."""
     out = []
     for window in ("sliding", "block"):
         for decode in (False, True):
-            n = len(_space_configs(window, decode))
-            picks = range(n) if GPU else range(0, n, max(1, n // 4))
+            cfgs = _space_configs(window, decode)
+            n = len(cfgs)
+            picks = covering_indices(cfgs) if GPU else range(0, n, max(1, n // 4))
             out += [pytest.param(window, decode, i, id=f"{window}-{'decode' if decode else 'prefill'}-{i}")
                     for i in picks]
     return out
@@ -385,7 +416,13 @@ def _space_cases():
 
 @pytest.mark.parametrize("window,decode,index", _space_cases())
 def test_explicit_configs_from_the_space(backend, window, decode, index):
-    """Configs of the tuning space (TMA tiles in the block-window one) give correct answers."""
+    """Configs of the tuning space (TMA tiles in the block-window one) give correct answers: on the GPU a
+    covering spread of each space (`_space_cases`), not every config, since each one is a compile. The
+    rest are not run here: every config of the spaces at the tuning shapes compiles for sm_90 without a
+    GPU with `bench/tools/compile_check.py --ops eva_attention` (by hand: tests/test_compile_for_hopper.py runs it
+    on the tuned and default configs only), and the autotuner (autotune/tune.py) checks the config it keeps
+    against the fp64 reference on NaN-poisoned outputs, taking the next fastest when it is wrong; the
+    configs it only times are not checked."""
     if backend != "triton":
         pytest.skip("the space below is the triton one")
     cfgs = _space_configs(window, decode)

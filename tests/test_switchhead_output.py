@@ -10,7 +10,7 @@ conftest), so a tile left unwritten fails."""
 import pytest
 import torch
 
-from conftest import DEVICE, cuda_graph_capture
+from conftest import DEVICE, cuda_graph_capture, gpu_spread
 from flashswitch.kernels_triton import switchhead_output as K
 from flashswitch.nn import SwitchHeadAttention
 from flashswitch.nn import switchhead as SH
@@ -101,11 +101,20 @@ SMALL = dict(forward=dict(BT=16, BN=16, BK=16, GROUP_T=2, num_warps=4, num_stage
              dweight=dict(BM=16, BN=16, BT=16, num_warps=4, num_stages=2))
 
 
+def _fp32_spread(T, H, E, k, D, d, form):
+    """On the GPU each case in one form, the forms alternating over CASES (three cases each)."""
+    return K.FORMS.index(form) == CASES.index((T, H, E, k, D, d)) % 2
+
+
+@gpu_spread(_fp32_spread)
 @pytest.mark.parametrize("form", K.FORMS)
 @pytest.mark.parametrize("T,H,E,k,D,d", CASES)
 def test_matches_oracle_fp32(T, H, E, k, D, d, form, monkeypatch):
     """Forward and backward through the public call (autotuned configs; the interpreter takes the first),
-    each form of the kernels as the module's default."""
+    each form of the kernels as the module's default. On the GPU the cost is triton.autotune compiling
+    and timing every config of each kernel for each case's head shapes (the cases are already tiny), so
+    the GPU runs each case in one form (`_fp32_spread`): every case, both forms, every tiling edge the
+    cases hold (T = 130 past BT = 128, T and d below every tile); the CPU runs them all."""
     use_form(monkeypatch, form)
     p = with_dy(make_problem(T, H, E, k, D, d, seed=T + D))
     check(p, run_public(p), torch.float32)
@@ -384,15 +393,29 @@ def test_fused_equals_op3_on_the_layers_routing(form, monkeypatch):
 
 
 # ---------------------------------------------------------------- GPU: half precision, CUDA graphs
+HALF_CASES = [(1000, 4, 4, 2, 112, 256), (777, 2, 5, 3, 76, 412), (300, 3, 2, 1, 12, 40), (4100, 1, 4, 2, 64, 128)]
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _half_spread(dtype, master, T, H, E, k, D, d, form):
+    """Every (shape, dtype, form) once, master weights on for half of them so that every pair of values of
+    any two parameters occurs (16 of the 32 combinations)."""
+    i, j, f = HALF_CASES.index((T, H, E, k, D, d)), HALF_DTYPES.index(dtype), K.FORMS.index(form)
+    return master == bool((i + j + f) % 2)
+
+
 @pytest.mark.gpu
+@gpu_spread(_half_spread)
 @pytest.mark.parametrize("form", K.FORMS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("master", [True, False])
-@pytest.mark.parametrize("T,H,E,k,D,d", [(1000, 4, 4, 2, 112, 256), (777, 2, 5, 3, 76, 412), (300, 3, 2, 1, 12, 40),
-                                         (4100, 1, 4, 2, 64, 128)])
+@pytest.mark.parametrize("T,H,E,k,D,d", HALF_CASES)
 def test_half_precision_on_gpu(dtype, master, T, H, E, k, D, d, form, monkeypatch):
     """bf16 / fp16 a with fp32 master weights (the layer under autocast) or weights in a's dtype, each form
-    of the kernels."""
+    of the kernels. Each combination autotunes (compiles) every config anew: the GPU runs the pairwise
+    spread `_half_spread`. The shapes stay: each crosses tiling edges of the kernels (T past BT = 128 and,
+    at 4100, a token sum split in ranges of DWEIGHT_MIN_SPLIT_TOKENS or more; d past BN = 128; H·E·D past BK and
+    not a multiple of it)."""
     use_form(monkeypatch, form)
     p = with_dy(make_problem(T, H, E, k, D, d, dtype, master=master, seed=T))
     check(p, run_public(p), dtype)
