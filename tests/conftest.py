@@ -7,14 +7,23 @@ the device; `--hypothesis-seed N` repeats one), "fuzz" draws 2000 per test for l
 print a failing example's reproduction blob. Without a GPU the Triton kernels run under
 TRITON_INTERPRET=1 on CPU tensors; CUDA/CuPy tests skip. A test whose asset (a model file, the corpus, a
 plotting package) is missing skips, or fails under FLASHSWITCH_REQUIRE_ASSETS=1 (CI): `missing_asset`.
+`./fs test` runs the suite over pytest-xdist workers, one per core: each worker's torch (and the processes
+its tests start) takes its share of the cores, and a test may run next to any other one, so a test keeps
+its files under tmp_path and holds `exclusive(name)` around what two processes must not share.
 """
 import importlib
 import os
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any triton kernel module is imported
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of N pytest-xdist workers (./fs test): its share of the cores
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    _share = max(1, _cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(_share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))  # the processes a test starts take the same share
 os.environ["FLASHSWITCH_POISON"] = "1"  # every kernel output starts as NaN: unwritten elements fail
 
 import pytest  # noqa: E402
@@ -138,6 +147,15 @@ def missing_asset(what: str, install: str):
     if os.environ.get(REQUIRE_ASSETS_ENV) == "1":
         pytest.fail(f"{why} ({REQUIRE_ASSETS_ENV}=1: test assets are required)", pytrace=False)
     pytest.skip(why, allow_module_level=True)
+
+
+def exclusive(name: str, timeout: float = 1800):
+    """A lock held by one process at a time (a file in the temp folder, one per user), as a context manager:
+    around what two tests running at once (pytest-xdist workers, or another run of the suite) must not
+    share."""
+    from filelock import FileLock  # a dependency of torch
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    return FileLock(os.path.join(tempfile.gettempdir(), f"flashswitch-tests-{user}-{name}.lock"), timeout=timeout)
 
 
 def import_asset(module: str, install: str):

@@ -3,7 +3,9 @@ worktree under tmp_path that is removed afterwards. Checks the JSON and markdown
 against itself gives ratios near 1, and that the exit status follows the threshold: a head made a million
 times slower by the test hook fails the gate.
 The driver runs in this process (its main(), as the script calls it: one interpreter start less per
-run); its two workers are processes of their own, as always."""
+run); its two workers are processes of their own, as always. One run at a time (`exclusive`): a run's
+workers share one pinned core, where another run's would skew its ratios, and two runs' `git worktree`
+calls (add, prune) on the one repository must not interleave."""
 import json
 import re
 import subprocess
@@ -12,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import exclusive
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "tools" / "regress.py"
@@ -29,9 +33,10 @@ SAME_CODE_BAND = (0.5, 2.0)
 def worktrees(tmp_path_factory):
     folder = tmp_path_factory.mktemp("regress_worktrees")
     yield folder
-    for wt in folder.iterdir():  # leave no worktree registered in the repository
-        subprocess.run(["git", "worktree", "remove", "--force", str(wt)], cwd=ROOT, capture_output=True)
-    subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
+    with exclusive("regress"):
+        for wt in folder.iterdir():  # leave no worktree registered in the repository
+            subprocess.run(["git", "worktree", "remove", "--force", str(wt)], cwd=ROOT, capture_output=True)
+        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
 
 
 def run_regress(monkeypatch, *args) -> int:
@@ -40,8 +45,9 @@ def run_regress(monkeypatch, *args) -> int:
 
 
 def smoke(monkeypatch, out: Path, worktrees: Path, *args) -> int:
-    return run_regress(monkeypatch, "--against", "HEAD", "--smoke", "--rounds", "2", "--ops", "chunk_summaries",
-                       "expert_matmul", "--out-dir", str(out), "--worktree-dir", str(worktrees), *args)
+    with exclusive("regress"):
+        return run_regress(monkeypatch, "--against", "HEAD", "--smoke", "--rounds", "2", "--ops", "chunk_summaries",
+                           "expert_matmul", "--out-dir", str(out), "--worktree-dir", str(worktrees), *args)
 
 
 def test_regress_smoke_writes_report_and_passes(tmp_path, worktrees, monkeypatch):
