@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from flashswitch import _common as C
-from flashswitch import backends
+from flashswitch.ops import layers
 from flashswitch.ops.chunk_summaries import chunk_summaries
 from flashswitch.ops.eva_attention import check_window, eva_attention
 
@@ -121,10 +121,7 @@ class EvaCache:
         # interpreter for the Triton backend), else torch ops. With FUSED_STEP, where op 1 may run in
         # Triton ("auto", "triton"), the chunk's summary joins them: one launch (eva_cache.step), else two
         # around op 1
-        self._kernels = None
-        if backends.available("triton", device) and (device.type == "cuda" or backend == "triton"):
-            from flashswitch.kernels_triton import eva_cache
-            self._kernels = eva_cache
+        self._kernels = layers.cache_kernels(device, backend)
         self._fused = FUSED_STEP and self._kernels is not None and backend in ("auto", "triton")
         self._done_programs = torch.zeros(B, dtype=torch.int32, device=device)  # eva_cache.step's counter
 

@@ -9,6 +9,7 @@ import torch
 from conftest import DEVICE, dtypes_here
 from flashswitch.kernels_triton import layer_ops
 from flashswitch.nn import _projections
+from flashswitch.ops import layers
 from flashswitch.nn.llama import RMSNorm, SdpaAttention, SwiGLU
 from flashswitch.nn.rotary import Rotary, apply_rotary
 
@@ -71,7 +72,7 @@ def test_silu_mul_matches_torch(dtype, shape):
 def test_qkv_projection_one_gemm_equals_three(monkeypatch, bias):
     """The stacked weight gives the three projections' outputs, and is rebuilt when a weight changes
     in place (an optimizer step) or is replaced."""
-    monkeypatch.setattr(layer_ops, "fused_wanted", lambda *t: layer_ops.eager_fast_path(*t))  # any device
+    monkeypatch.setattr(layers, "_on_kernels", lambda tensors: True)  # any device
     torch.manual_seed(0)
     attn = SdpaAttention(48, 6, num_kv_heads=2, head_dim=8, device=DEVICE)
     for m in (attn.q_proj, attn.k_proj, attn.v_proj):
@@ -98,7 +99,7 @@ def test_qkv_projection_one_gemm_equals_three(monkeypatch, bias):
 
 @pytest.mark.parametrize("dtype", dtypes_here())
 def test_swiglu_fused_equals_torch(monkeypatch, dtype):
-    monkeypatch.setattr(layer_ops, "fused_wanted", lambda *t: layer_ops.eager_fast_path(*t))
+    monkeypatch.setattr(layers, "_on_kernels", lambda tensors: True)
     torch.manual_seed(1)
     mlp = SwiGLU(32, 80, device=DEVICE, dtype=dtype)
     x = torch.randn(3, 4, 32, device=DEVICE, dtype=dtype)
@@ -133,7 +134,7 @@ def test_model_inference_path_matches_the_torch_path(monkeypatch, attention):
     """A whole decoder's prefill and decode steps in inference (fused kernels, one q/k/v GEMM) against
     the same model with gradients on (the torch versions); bf16 on the GPU, fp32 on the CPU."""
     from flashswitch.nn.llama import LlamaConfig, LlamaLM
-    monkeypatch.setattr(layer_ops, "fused_wanted", lambda *t: layer_ops.eager_fast_path(*t))  # any device
+    monkeypatch.setattr(layers, "_on_kernels", lambda tensors: True)  # any device
     calls = []
     for name in ("add_rms_norm", "rotary_qk", "silu_mul"):
         real = getattr(layer_ops, name)
@@ -192,7 +193,7 @@ def test_switchhead_layer_with_the_rotary_kernel_equals_torch(monkeypatch):
     runs = {}
     for mode in ("kernel", "torch"):
         if mode == "kernel":
-            monkeypatch.setattr(layer_ops, "packed_rotary_wanted", lambda t: True)
+            monkeypatch.setattr(layers, "packed_rotary", lambda t: True)
         else:
             monkeypatch.undo()
         layer.zero_grad()
@@ -223,7 +224,7 @@ def test_routers_take_the_top_k_kernel(monkeypatch):
     calls = []
     real = layer_ops.top_k_rows
     monkeypatch.setattr(layer_ops, "top_k_rows", lambda s, k: calls.append(k) or real(s, k))
-    monkeypatch.setattr(layer_ops, "fused_wanted", lambda *t: layer_ops.eager_fast_path(*t))
+    monkeypatch.setattr(layers, "_on_kernels", lambda tensors: True)
     logits = torch.randn(6, 3, 8, device=DEVICE, requires_grad=True)
     idx, gates = sigmoid_top_k(logits, 2)
     assert calls == [2]

@@ -97,7 +97,7 @@ def test_forward_ad_runs_the_reference_under_auto(op, auto_is_a_kernel):
 
 
 def test_fused_layer_kernels_step_aside_under_transforms():
-    """The layers' fused Triton kernels (kernels_triton/layer_ops.py) run only where C.eager_fast_path /
+    """The layers' fused Triton kernels (ops/layers.py) run only where C.eager_fast_path /
     eager_autograd_path allow: never under a functorch transform or a forward-mode AD level, whose
     tangents and batching only the torch versions carry."""
     from flashswitch import _common as C

@@ -8,7 +8,7 @@ kernels and their host time, not the attention, can set the pace, and in a long 
 traffic does. Same math as the torch versions (fp32 arithmetic, the same roundings to the input dtype).
 The inference kernels serve calls that need no gradient (the torch versions keep autograd). Also the
 routers' top-k over a few experts per row (nn/_routing.py), where torch's row sort launches a block
-per 4-expert row.
+per 4-expert row. Which calls they serve is decided in ops/layers.py, through which the layers reach them.
 """
 from __future__ import annotations
 
@@ -16,12 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashswitch._common import eager_fast_path, new_output, next_pow2, poison_outputs
-
-
-def fused_wanted(*tensors: torch.Tensor) -> bool:
-    """Whether the fused kernels serve a call: CUDA tensors with unit last stride, eager, no gradient."""
-    return all(t.is_cuda and t.stride(-1) == 1 for t in tensors) and eager_fast_path(*tensors)
+from flashswitch._common import new_output, next_pow2, poison_outputs
 
 
 @triton.jit
@@ -219,19 +214,6 @@ def rotary_packed(t: torch.Tensor, inv_freq: torch.Tensor, n_rot: int) -> torch.
     ([n_rot / 2] fp32), the rest copied; a new contiguous tensor of t's dtype. Differentiable (the
     backward rotates the gradient back, one kernel)."""
     return _RotaryPacked.apply(t, inv_freq, n_rot)
-
-
-def packed_rotary_wanted(t: torch.Tensor) -> bool:
-    """The packed rotary kernel serves t: CUDA, unit last stride, eager (not traced), plain tensor,
-    and [B, N, ...] views as rows of D (the layers' packed projections)."""
-    from flashswitch._common import eager_autograd_path
-    if not (t.is_cuda and t.stride(-1) == 1 and eager_autograd_path(t)):
-        return False
-    try:
-        t.view(t.shape[0], t.shape[1], -1, t.shape[-1])
-    except RuntimeError:
-        return False
-    return True
 
 
 @triton.jit

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flashswitch.ops import layers
+
 
 def qkv_projection(layer: torch.nn.Module, x: torch.Tensor):
     """q [B, H, N, D] and k, v [B, Hkv, N, D] of x [B, N, d] through layer.q_proj, k_proj, v_proj
@@ -25,7 +27,6 @@ def qkv_projection(layer: torch.nn.Module, x: torch.Tensor):
 def _fused_weight(layer: torch.nn.Module, x: torch.Tensor):
     """(weight, bias) of the three projections stacked, or None where it does not serve (gradients
     wanted, traced, mixed dtypes, some biases only, inference tensors without a version counter)."""
-    from flashswitch.kernels_triton.layer_ops import fused_wanted
     mods = (layer.q_proj, layer.k_proj, layer.v_proj)
     params = [m.weight for m in mods]
     biases = [m.bias for m in mods]
@@ -33,7 +34,7 @@ def _fused_weight(layer: torch.nn.Module, x: torch.Tensor):
         if any(b is None for b in biases):
             return None
         params += biases
-    if any(p.dtype != x.dtype or p.device != x.device for p in params) or not fused_wanted(x, *params):
+    if any(p.dtype != x.dtype or p.device != x.device for p in params) or not layers.fused(x, *params):
         return None
     try:
         key = tuple((p.data_ptr(), p._version) for p in params)

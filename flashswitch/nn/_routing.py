@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from flashswitch.ops import layers
+
 
 def sigmoid_top_k(logits: torch.Tensor, k: int, *, expert_dropout: float = 0.0, training: bool = False):
     """The k experts with the largest router logits along the last dim, and their sigmoid gates.
@@ -19,9 +21,8 @@ def sigmoid_top_k(logits: torch.Tensor, k: int, *, expert_dropout: float = 0.0, 
     if training and expert_dropout > 0:
         scores = scores.masked_fill(torch.rand_like(scores) < expert_dropout, 0.0)
     with torch.no_grad():
-        from flashswitch.kernels_triton import layer_ops
-        if scores.shape[-1] <= SORT_MAX_EXPERTS and layer_ops.fused_wanted(scores):
-            idx = layer_ops.top_k_rows(scores, k)
+        if scores.shape[-1] <= SORT_MAX_EXPERTS and layers.fused(scores):
+            idx = layers.top_k_rows(scores, k)
         elif scores.shape[-1] <= SORT_MAX_EXPERTS:
             idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
         else:
@@ -29,7 +30,7 @@ def sigmoid_top_k(logits: torch.Tensor, k: int, *, expert_dropout: float = 0.0, 
     return idx, torch.gather(scores, -1, idx)
 
 
-# Rows of at most this many experts take k argmax rounds in registers (CUDA, kernels_triton/layer_ops) or
+# Rows of at most this many experts take k argmax rounds in registers (CUDA, ops/layers.py) or
 # are sorted whole instead of torch.topk'ed: topk's CUDA kernel is made for long rows (a radix select per
 # row). Ties: the lower id first either way.
 SORT_MAX_EXPERTS = 64

@@ -27,6 +27,7 @@ from flashswitch import _common as C
 from flashswitch.nn.eva_attention import EvaAttention
 from flashswitch.nn._projections import qkv_projection
 from flashswitch.nn.rotary import Rotary
+from flashswitch.ops import layers
 
 ATTENTIONS = ("sdpa", "eva")
 DECODE_KERNELS = ("masked", "gqa", "flash")
@@ -266,10 +267,9 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: Optional[torch.Tensor]):
         """(s, norm(s)) with s = x + residual (x when residual is None): a pre-norm block's residual add
         and the norm after it, one kernel in inference."""
-        from flashswitch.kernels_triton import layer_ops
         if x.dtype == self.weight.dtype and (residual is None or residual.dtype == x.dtype) \
-                and layer_ops.fused_wanted(x, self.weight, *([] if residual is None else [residual])):
-            return layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
+                and layers.fused(x, self.weight, *([] if residual is None else [residual])):
+            return layers.add_rms_norm(x, residual, self.weight, self.eps)
         s = x if residual is None else x + residual
         sf = s.float()
         return s, (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + self.eps)).to(s.dtype) * self.weight
@@ -287,9 +287,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-        from flashswitch.kernels_triton import layer_ops
-        if layer_ops.fused_wanted(g, u):  # inference on CUDA: silu and the product in one kernel
-            return self.down_proj(layer_ops.silu_mul(g, u))
+        if layers.fused(g, u):  # inference on CUDA: silu and the product in one kernel
+            return self.down_proj(layers.silu_mul(g, u))
         return self.down_proj(F.silu(g) * u)
 
 

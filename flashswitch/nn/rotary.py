@@ -5,6 +5,8 @@ from typing import Optional
 
 import torch
 
+from flashswitch.ops import layers
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -41,9 +43,8 @@ class Rotary(torch.nn.Module):
         """q, k [B, H, n, D] of n new tokens rotated at their positions: 0..n-1 without a cache or with an
         empty one, else after each sequence's length (`cache.lengths`, on the device: no host value)."""
         offsets = None if cache is None or cache.empty else cache.lengths
-        from flashswitch.kernels_triton import layer_ops
-        if q.dtype == k.dtype and layer_ops.fused_wanted(q, k):  # inference on CUDA: one kernel for q and k
-            return layer_ops.rotary_qk(q, k, self.inv_freq, offsets)
+        if q.dtype == k.dtype and layers.fused(q, k):  # inference on CUDA: one kernel for q and k
+            return layers.rotary_qk(q, k, self.inv_freq, offsets)
         steps = torch.arange(q.shape[-2], device=q.device)
         cos, sin = self.cos_sin(steps if offsets is None else offsets[:, None] + steps)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -24,6 +24,7 @@ from flashswitch.nn._routing import (check_positive, check_probability, compute_
                                      sigmoid_top_k)
 from flashswitch.ops.chunk_summaries import chunk_summaries
 from flashswitch.ops.eva_attention import eva_attention
+from flashswitch.ops import layers
 from flashswitch.ops.expert_matmul import expert_matmul, route
 
 ATTENTIONS = ("sdpa", "eva")
@@ -69,13 +70,12 @@ def _angle_dtype(t: torch.Tensor) -> torch.dtype:
 def rotate_packed(t: torch.Tensor, n_rot: int, base: float = 10000.0) -> torch.Tensor:
     """Rotary embedding of a packed projection t [B, N, P, H, D] (positions along dim 1; q and k as
     two of the P parts): one rotation for all parts instead of one per tensor; on CUDA one kernel
-    forward and one backward (kernels_triton/layer_ops.rotary_packed) instead of some 25 small ones."""
+    forward and one backward (ops/layers.py) instead of some 25 small ones."""
     if n_rot == 0:
         return t
     if t.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        from flashswitch.kernels_triton import layer_ops
-        if layer_ops.packed_rotary_wanted(t):
-            return layer_ops.rotary_packed(t, _inv_freq(n_rot, base, t.device), n_rot)
+        if layers.packed_rotary(t):
+            return layers.rotary_packed(t, _inv_freq(n_rot, base, t.device), n_rot)
     cos, sin = rotary_tables(t.shape[1], n_rot, base, t.device, _angle_dtype(t))
     return rotate(t, cos[:, None, None], sin[:, None, None], n_rot)
 
