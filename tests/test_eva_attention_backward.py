@@ -8,6 +8,8 @@ the recomputation of P (large logits). Kernel outputs start as NaN
 the reference, opcheck of both custom ops, bitwise determinism, the gradient through lse, rows no
 query sees (NaN there must not reach a gradient), explicit configs, torch.compile and CUDA graphs.
 """
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -127,16 +129,22 @@ def _recompute_tol(p, scale):
 
 def _delta_rounding_tols(p, do, ref, floors, scale) -> dict:
     """The backward's delta = rowsum(dO * O) reads O rounded to its dtype (flash attention's; the
-    reference's autograd reads no O). delta enters every dS entry of its row as an upstream lse gradient
-    does (dS = P (dP - delta + dlse)), so its error moves the gradients as a dlse of that size: one rounding
-    of each O element (random signs) gives about u |dO * O| per row. Where dS cancels (a softmax on one
-    key) that is most of a score-path gradient. Per gradient: CONDITIONING_FACTOR x that move, relative to
-    max(|ref|, floor)."""
+    reference's autograd reads no O), and it and dP = dO . v are D-term fp32 sums taken in two different
+    orders (a reduction and the dot's accumulation). delta enters every dS entry of its row as an upstream
+    lse gradient does (dS = P (dP - delta + dlse)), so its error moves the gradients as a dlse of that size.
+    Per row, with random-sign roundings: one rounding of each O element gives u |dO * O|; a sequential fp32
+    sum of D terms whose partial sums grow as a random walk (E S_k^2 = k |dO * O|^2 / D) gives
+    u32 |dO * O| sqrt((D + 1) / 2), and dP and delta each carry one (a GPU's dot accumulates in order: at
+    D = 128 the two sums differed by 31 u32 where the rounding of O alone predicts 13). Where dS cancels (a
+    softmax on one key) that is most of a score-path gradient. Per gradient: CONDITIONING_FACTOR x that
+    move, relative to max(|ref|, floor)."""
     ins, bias, rest = _split(p)
     wide = {n: t.double() for n, t in ins.items()}
     bias = bias.double() if isinstance(bias, torch.Tensor) else bias
     o = torch_eva_attention(**wide, **rest, summary_bias=bias, scale=scale)
-    row = unit_roundoff(p["q"].dtype) * (do.double() * o).pow(2).sum(-1).sqrt()
+    D = p["q"].shape[-1]
+    per_term = math.sqrt(unit_roundoff(p["q"].dtype) ** 2 + (D + 1) * unit_roundoff(torch.float32) ** 2)
+    row = per_term * (do.double() * o).pow(2).sum(-1).sqrt()
     sign = torch.randint(0, 2, row.shape, generator=torch.Generator().manual_seed(0)).to(row) * 2 - 1
     moved = _grads(torch_eva_attention, p, torch.zeros_like(do), row * sign, scale, F64)
     tols = {}
