@@ -55,7 +55,7 @@ def test_smoke_run(tmp_path):
     data = json.loads((tmp_path / "model_speed.json").read_text())
     assert data["commit"] is not None or data["date"]
     modes = {(r["mode"], r["attention"]) for r in data["rows"]}
-    assert modes == {(m, a) for m in model_speed.MODES for a in model_speed.ATTENTIONS}
+    assert modes == {(m, a) for m in model_speed.MODES for a in model_speed.ATTENTIONS}  # flex: CUDA only
     for r in data["rows"]:
         assert {"model", "mode", "batch", "seq_len", "attention", "ms", "ideal_speedup"} <= set(r), r
         assert r["ms"] > 0 and r["ideal_speedup"] > 0 and "error" not in r
@@ -75,3 +75,15 @@ def test_smoke_run_on_the_gpu(tmp_path):
     assert {(r["attention"], r["impl"]) for r in rows} == {(a, i) for a in model_speed.ATTENTIONS
                                                            for i in model_speed.IMPLS}
     assert all(r["ms"] > 0 and "error" not in r for r in rows)
+
+
+@pytest.mark.gpu
+def test_attention_rows_with_flex_on_the_gpu(tmp_path):
+    """The attention op alone on CUDA: EVA's kernels, SDPA and the same EVA attention through FlexAttention
+    (the same MACs as the EVA row it mirrors)."""
+    assert model_speed.main(["--smoke", "--device", "cuda", "--modes", "attention", "--out", str(tmp_path)]) == 0
+    rows = {r["attention"]: r for r in json.loads((tmp_path / "model_speed.json").read_text())["rows"]}
+    assert set(rows) == {*model_speed.ATTENTIONS, *model_speed.FLEX}
+    assert all(r["ms"] > 0 and r["graph_ms"] and "error" not in r for r in rows.values())
+    for flex, eva in model_speed.FLEX.items():
+        assert rows[flex]["ideal_speedup"] == rows[eva]["ideal_speedup"]

@@ -12,7 +12,10 @@ prefill    batch 1, prompts of --prefill-lens tokens into empty caches (LlamaLM.
            position's logits, bf16 weights, no gradient.
 attention  the attention op alone at each --train-shapes B x T and the model's head layout, forward
          + backward (fwd_ms: forward alone): EVA is op 1 + op 2 (chunk_summaries, eva_attention), exact
-         is SDPA (is_causal, enable_gqa); q, k, v after rotary, bf16.
+         is SDPA (is_causal, enable_gqa); q, k, v after rotary, bf16. Also the same EVA attention through
+         FlexAttention ("flex-sliding", "flex-block": op 1, then compiled flex_attention over [k; k_sum]
+         with EVA's block mask and the log-count bias as score_mod; bench/baselines.py), the library a
+         user would otherwise write EVA with.
 train      one fine-tuning step (forward + backward + fused AdamW, bf16 autocast over fp32 master weights)
            at each --train-shapes B x T, random tokens.
 
@@ -36,6 +39,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # bench/: baselines.py
 
 import torch  # noqa: E402
 
@@ -48,6 +52,8 @@ ATTENTIONS = {"sdpa": {"attention": "sdpa"},
               "eva-sliding": {"attention": "eva", "chunk_size": 32, "window_size": 256, "window": "sliding"},
               "eva-block": {"attention": "eva", "chunk_size": 32, "window_size": 256, "window": "block"}}
 IMPLS = ("eager", "compiled", "graphed")
+# EVA attention through FlexAttention (attention mode only): the EVA attention each one computes
+FLEX = {"flex-sliding": "eva-sliding", "flex-block": "eva-block"}
 MODES = ("attention", "prefill", "train")
 PREFILL_LENS = (2048, 4096, 8192, 16384, 32768)
 TRAIN_SHAPES = ("8x2048", "2x8192")
@@ -111,7 +117,7 @@ def timed(fn, reset, *, reps: int, warmup: int, device, graph: bool) -> dict:
 
 # ---------------------------------------------------------------- cases
 def attention_kw(attention: str, smoke: bool) -> dict:
-    kw = dict(ATTENTIONS[attention])
+    kw = dict(ATTENTIONS[FLEX.get(attention, attention)])
     if smoke and kw["attention"] == "eva":
         kw.update(SMOKE_EVA)
     return kw
@@ -177,11 +183,20 @@ def attention_case(cfg: LlamaConfig, attention: str, batch: int, seq_len: int, a
     q, k, v = rnd(H), rnd(Hkv), rnd(Hkv)
     do = torch.randn(batch, H, seq_len, D, device=device, dtype=dtype, generator=g)
     kw = attention_kw(attention, args.smoke)
+    flex = None
+    if attention in FLEX:  # block mask and score_mod built here, outside the timing
+        from baselines import FlexEva
+        Nc = -(-seq_len // kw["chunk_size"])
+        flex = FlexEva(q, k, k.new_empty(batch, Hkv, Nc, D), chunk_size=kw["chunk_size"],
+                       window_size=kw["window_size"], window=kw["window"], summary_bias="log_count",
+                       compiled=device.type == "cuda")
 
     def forward():
         if kw["attention"] == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
         k_sum, v_sum = chunk_summaries(k, v, kw["chunk_size"])
+        if flex is not None:
+            return flex(q, k, v, k_sum, v_sum)
         return eva_attention(q, k, v, k_sum, v_sum, chunk_size=kw["chunk_size"], window_size=kw["window_size"],
                              window=kw["window"], summary_bias="log_count")
 
@@ -203,7 +218,7 @@ def cases(args):
                       else [tuple(int(v) for v in s.split("x")) for s in args.train_shapes])
             impls = args.impls if mode == "train" else ["eager"]
             for impl in impls:
-                for attention in args.attentions:
+                for attention in (a for a in args.attentions if mode == "attention" or a not in FLEX):
                     for batch, seq_len in shapes:
                         yield name, mode, batch, seq_len, attention, impl
 
@@ -276,7 +291,7 @@ def markdown(data: dict) -> str:
     head = ("| model | mode | B x T | attention | impl | ms | fwd ms | graph ms | speedup | graph speedup | ideal | "
             "of ideal | " + " | ".join(SPLIT) + " | commit |")
     out += [head, "|" + "---|" * (head.count("|") - 1)]
-    order = {a: i for i, a in enumerate(ATTENTIONS)}
+    order = {a: i for i, a in enumerate([*ATTENTIONS, *FLEX])}
     modes = {m: i for i, m in enumerate(MODES)}
     for r in sorted(rows, key=lambda r: (r["model"], modes.get(r["mode"], 9), r["impl"], r["batch"] * r["seq_len"], r["seq_len"],
                                          order.get(r["attention"], 9))):
@@ -335,7 +350,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(LLAMA_SHAPES), choices=list(LLAMA_SHAPES))
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--attentions", nargs="+", default=list(ATTENTIONS), choices=list(ATTENTIONS))
+    p.add_argument("--attentions", nargs="+", choices=[*ATTENTIONS, *FLEX],
+                   help="default: all; flex-*: attention mode only, CUDA only (FlexAttention has no CPU backward)")
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS, help="train steps' impls")
     p.add_argument("--prefill-lens", nargs="+", type=int, default=list(PREFILL_LENS))
     p.add_argument("--train-shapes", nargs="+", default=list(TRAIN_SHAPES), help="B x T, as 8x2048")
@@ -358,6 +374,8 @@ def parse_args(argv=None):
     args.graph = args.graph and args.device.type == "cuda"
     if args.device.type != "cuda":  # a CUDA graph needs CUDA
         args.impls = [i for i in args.impls if i != "graphed"]
+    if args.attentions is None:
+        args.attentions = [*ATTENTIONS, *(FLEX if args.device.type == "cuda" else ())]
     return args
 
 
