@@ -55,7 +55,7 @@ KEYS: dict[str, Callable] = {
     "variant": _one_of(1, 2), "decode": _one_of(0, 1),
     # backward kernels: op 2's dQ kernel, op 3's dx and dW kernels, split counts of fixed-order partial sums
     "BLOCK_M_DQ": _pow2(16, 256), "BLOCK_N_DQ": _pow2(16, 256), "num_warps_dq": _one_of(1, 2, 4, 8, 16),
-    "num_stages_dq": _int(1, 8), "SUM_SPLITS": _int(0, 128), "KV_SPLIT_LOOPS": _bool,
+    "num_stages_dq": _int(1, 8), "SUM_SPLITS": _int(0, 128), "KV_SPLIT_LOOPS": _bool, "DS_STORE": _bool,
     "DX_BLOCK_M": _pow2(16, 256), "DX_BLOCK_N": _pow2(16, 256), "DX_BLOCK_K": _pow2(16, 256),
     "DX_INTERLEAVE": _bool, "DX_PARTIALS": _one_of("out", "fp32"), "DX_num_warps": _one_of(1, 2, 4, 8, 16),
     "DX_num_stages": _int(1, 8), "DW_BLOCK_M": _pow2(16, 256), "DW_BLOCK_N": _pow2(16, 256),
@@ -78,7 +78,8 @@ CONFIG_KEYS: dict[tuple, set] = {
     ("expert_matmul", "cupy"): {"BLOCK_M", "BLOCK_N", "GROUP_N", "REDUCE", "variant"},
     ("chunk_summaries.bwd", "triton"): _TRITON_BASE | {"BLOCK_CHUNKS", "BLOCK_J"},
     ("eva_attention.bwd", "triton"): _TRITON_BASE | {"BLOCK_M", "BLOCK_N", "BLOCK_M_DQ", "BLOCK_N_DQ", "num_warps_dq",
-                                                     "num_stages_dq", "SUM_SPLITS", "KV_SPLIT_LOOPS"},
+                                                     "num_stages_dq", "SUM_SPLITS", "KV_SPLIT_LOOPS",
+                                                     "DS_STORE"},
     ("expert_matmul.bwd", "triton"): {"DX_BLOCK_M", "DX_BLOCK_N", "DX_BLOCK_K", "DX_INTERLEAVE", "DX_PARTIALS",
                                       "DX_num_warps", "DX_num_stages", "DW_BLOCK_M", "DW_BLOCK_N", "DW_BLOCK_K",
                                       "DW_num_warps", "DW_num_stages", "SPLIT_K", "DENSE_Z", "DENSE_X", "CAST_W"},

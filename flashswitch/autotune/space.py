@@ -331,7 +331,8 @@ def _eva_bwd_triton_space(f: dict) -> list[dict]:
     # kernel keeps four BLOCK_N x D tiles live (k, v, dk, dv), so it wants the wide key side (64 x 128,
     # FlashAttention-2's Hopper choice at D = 128); dQ keeps q, dO, dq: a wide query side (128 x 64).
     # D > 128 halves them. fp32 (IEEE FMA dots) only takes small tiles. num_stages pipelines the
-    # walked tiles' loads. Pairs of (dK/dV, dQ) choices: 12-28 configs per bucket.
+    # walked tiles' loads. Pairs of (dK/dV, dQ) choices and the walk and dS variants: 20-45 configs per
+    # bucket.
     fp32 = f["dtype"] == "fp32"
     decode = bool(f.get("decode"))
     if fp32:
@@ -366,6 +367,16 @@ def _eva_bwd_triton_space(f: dict) -> list[dict]:
     out += [{**default, "KV_SPLIT_LOOPS": not default.get("KV_SPLIT_LOOPS", False)}] + split
     if not fp32 and not decode:
         out += [{**default, "SUM_SPLITS": sp, "KV_SPLIT_LOOPS": True} for sp in (2, 4)]
+    # dS stored by the dK/dV kernel and read by the dQ kernel (one product per pair there instead of three,
+    # no exp; a scratch write and read): each dK/dV tile with the default dQ tiles, and each dQ tile with
+    # the default dK/dV tiles, at the default's walk and stages
+    walk = {"KV_SPLIT_LOOPS": True} if default.get("KV_SPLIT_LOOPS") else {}
+    ks = default["num_stages"]
+    kv_ds = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": ks, **dq_default, **walk, "DS_STORE": True}
+             for bm, bn, w in kv if _eva_bwd_fits(f, bm, bn, w, ks)]
+    dq_ds = [{**default, "BLOCK_M_DQ": bm2, "BLOCK_N_DQ": bn2, "num_warps_dq": w2, "DS_STORE": True}
+             for bm2, bn2, w2 in dq if _eva_bwd_dq_fits(f, bm2, bn2, w2, default["num_stages_dq"])]
+    out += kv_ds + dq_ds
     uniq = []
     for c in out:
         if c not in uniq:

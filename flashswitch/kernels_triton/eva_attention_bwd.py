@@ -23,6 +23,11 @@ Kernels, no atomics (two calls give bitwise-equal gradients):
   query, so uncut they would be a few programs far longer than the rest.
 - `_eva_bwd_dq`: one program per query tile of one (batch, head), walking the forward's key blocks
   (`_tile_blocks`: summaries, then exact keys; masks only on partly visible blocks).
+- Config DS_STORE: the dK/dV kernel also stores each visible pair's dS (in q's dtype, as the dQ
+  product rounds it) to a scratch [B, H, Nq, band + Nc] (a query's row: its window's keys by offset
+  from start(t), then its summaries), and the dQ kernel reads it instead of recomputing P and dP: one
+  product per pair instead of three, no exp, no q / dO / lse / delta loads, for a write and a read of
+  the scratch (`ds_store_width`; above DS_STORE_MAX_BYTES it recomputes).
 
 Rows a query cannot see may hold anything (NaN, unused cache): they are loaded, but every term they
 could reach is selected away with `where` (never multiplied by zero). fp32 uses IEEE dot products.
@@ -119,17 +124,20 @@ def _kv_walk_range(n0, N, Nq, C, W, q_offset, SUMMARY: tl.constexpr, SLIDING: tl
 
 
 @triton.jit
-def _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq, Nc, C, W, q_offset,
-             it_lo, it_hi, n_seg, m_first, t_hi, offs_n, offs_m, offs_d, mask_d,
+def _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, ds_ptr, b, hkv, H, G, Nq, Nc, C, W,
+             q_offset, it_lo, it_hi, n_seg, m_first, t_hi, offs_n, offs_m, offs_d, mask_d,
              stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
+             stride_dsb, stride_dsh, stride_dsm, ds_col0,
              qk_scale, SUMMARY: tl.constexpr, SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr,
              EVEN_D: tl.constexpr, MASK: tl.constexpr, FROM_ZERO: tl.constexpr, DOT_PREC: tl.constexpr,
-             BLOCK_M: tl.constexpr):
+             DS_STORE: tl.constexpr, BLOCK_M: tl.constexpr):
     """Add to dk, dv (and dbias) the (query head, query tile) pairs it in [it_lo, it_hi) of a run of n_seg
     query tiles from position m_first: head hkv * G + it // n_seg, tile m_first + (it % n_seg) * BLOCK_M.
     MASK: each element takes its visibility (rows past t_hi are no queries). Without MASK every row of
     every tile is a query that sees every key of the key tile: no compares, no `where`. FROM_ZERO: the
-    loop counts from 0 (the split loops: from it_lo, Triton 3.6 serialized the summary path's wgmma)."""
+    loop counts from 0 (the split loops: from it_lo, Triton 3.6 serialized the summary path's wgmma).
+    DS_STORE: dS of each visible pair also goes to the scratch the dQ kernel reads (`_dq_stored`): row
+    t - q_offset of head h, column n - start(t) for exact key n, ds_col0 + n for summary n."""
     if FROM_ZERO:
         j_lo = 0
         j_hi = it_hi - it_lo
@@ -184,6 +192,17 @@ def _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, h
         else:
             pT = tl.exp2(sT - lse2[None, :])
             dsT = pT * (dpT - delta[None, :])
+        if DS_STORE:
+            if SUMMARY:
+                col = offs_n[:, None] + ds_col0
+            else:
+                col = offs_n[:, None] - _start(t_row, C, W, SLIDING)[None, :]
+            # int32 offsets within the (batch, head)'s rows: the launcher caps the scratch below 2^31 elements
+            ds_ptrs = ds_ptr + (b * stride_dsb + h * stride_dsh) + ((t_row - q_offset)[None, :] * stride_dsm + col)
+            if MASK:
+                tl.store(ds_ptrs, dsT.to(ds_ptr.dtype.element_ty), mask=vis)
+            else:
+                tl.store(ds_ptrs, dsT.to(ds_ptr.dtype.element_ty))
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
         if SUMMARY and BIAS_MODE == 1:
@@ -194,7 +213,7 @@ def _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, h
 @triton.jit
 def _kv_tile(
     pid_n, pid_bh, split, n_splits, q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    dbias_ptr, H, Hkv, G, Nq, Nk, Nc, N, D: tl.constexpr, C, W, q_offset,
+    dbias_ptr, ds_ptr, H, Hkv, G, Nq, Nk, Nc, N, D: tl.constexpr, C, W, q_offset,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -203,10 +222,11 @@ def _kv_tile(
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
+    stride_dsb, stride_dsh, stride_dsm, ds_col0,
     qk_scale, scale,
     SUMMARY: tl.constexpr, SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
-    SPLIT_LOOPS: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    SPLIT_LOOPS: tl.constexpr, DOT_PREC: tl.constexpr, DS_STORE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dK, dV of key tile pid_n of N keys (exact keys, or with SUMMARY the summaries: k_ptr/v_ptr are then
     k_sum/v_sum and N = Nc) of (batch, kv head) pid_bh; with SUMMARY and a tensor bias also d bias. The
@@ -255,37 +275,41 @@ def _kv_tile(
         n_lead = G * i_a
         n_mid = G * (i_b - i_a)
         n_trail = G * (n_tiles - i_b)
-        dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
-                                 Nc, C, W, q_offset, tl.minimum(lo, n_lead), tl.minimum(hi, n_lead),
+        dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, ds_ptr, b, hkv, H,
+                                 G, Nq, Nc, C, W, q_offset, tl.minimum(lo, n_lead), tl.minimum(hi, n_lead),
                                  tl.maximum(i_a, 1), t_lo, t_hi, offs_n, offs_m, offs_d, mask_d,
                                  stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                                 stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
-                                 EVEN_D, True, True, DOT_PREC, BLOCK_M)
+                                 stride_lb, stride_lh, stride_lm, stride_dsb, stride_dsh, stride_dsm, ds_col0,
+                                 qk_scale, SUMMARY, SLIDING, BIAS_MODE, EVEN_D, True, True, DOT_PREC, DS_STORE,
+                                 BLOCK_M)
         lo -= n_lead
         hi -= n_lead
-        dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
-                                 Nc, C, W, q_offset, tl.minimum(tl.maximum(lo, 0), n_mid),
+        dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, ds_ptr, b, hkv, H,
+                                 G, Nq, Nc, C, W, q_offset, tl.minimum(tl.maximum(lo, 0), n_mid),
                                  tl.minimum(tl.maximum(hi, 0), n_mid), tl.maximum(i_b - i_a, 1),
                                  t_lo + i_a * BLOCK_M, t_hi, offs_n, offs_m, offs_d,
                                  mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                                 stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
-                                 EVEN_D, False, True, DOT_PREC, BLOCK_M)
+                                 stride_lb, stride_lh, stride_lm, stride_dsb, stride_dsh, stride_dsm, ds_col0,
+                                 qk_scale, SUMMARY, SLIDING, BIAS_MODE, EVEN_D, False, True, DOT_PREC, DS_STORE,
+                                 BLOCK_M)
         lo -= n_mid
         hi -= n_mid
-        dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
-                                 Nc, C, W, q_offset, tl.minimum(tl.maximum(lo, 0), n_trail),
+        dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, ds_ptr, b, hkv, H,
+                                 G, Nq, Nc, C, W, q_offset, tl.minimum(tl.maximum(lo, 0), n_trail),
                                  tl.minimum(tl.maximum(hi, 0), n_trail), tl.maximum(n_tiles - i_b, 1),
                                  t_lo + i_b * BLOCK_M, t_hi, offs_n, offs_m, offs_d,
                                  mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                                 stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
-                                 EVEN_D, True, True, DOT_PREC, BLOCK_M)
+                                 stride_lb, stride_lh, stride_lm, stride_dsb, stride_dsh, stride_dsm, ds_col0,
+                                 qk_scale, SUMMARY, SLIDING, BIAS_MODE, EVEN_D, True, True, DOT_PREC, DS_STORE,
+                                 BLOCK_M)
     else:
         # one flat loop over (query head of the group, query tile): a single software pipeline
-        dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, H, G, Nq,
-                                 Nc, C, W, q_offset, lo, hi, n_tiles, t_lo, t_hi, offs_n, offs_m, offs_d,
+        dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, ds_ptr, b, hkv, H,
+                                 G, Nq, Nc, C, W, q_offset, lo, hi, n_tiles, t_lo, t_hi, offs_n, offs_m, offs_d,
                                  mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                                 stride_lb, stride_lh, stride_lm, qk_scale, SUMMARY, SLIDING, BIAS_MODE,
-                                 EVEN_D, True, False, DOT_PREC, BLOCK_M)
+                                 stride_lb, stride_lh, stride_lm, stride_dsb, stride_dsh, stride_dsm, ds_col0,
+                                 qk_scale, SUMMARY, SLIDING, BIAS_MODE, EVEN_D, True, False, DOT_PREC, DS_STORE,
+                                 BLOCK_M)
 
     nmask = (offs_n < N)[:, None] & mask_d[None, :]
     dk_ptrs = dk_ptr + b * stride_dkb + hkv * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :]
@@ -299,7 +323,7 @@ def _kv_tile(
 @triton.jit
 def _eva_bwd_kv(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dks_ptr, dvs_ptr,
-    dbias_ptr, H, Hkv, G, Nq, Nk, Nc, D: tl.constexpr, C, W, q_offset, n_sum_tiles, n_key_tiles, SUM_SPLITS,
+    dbias_ptr, ds_ptr, H, Hkv, G, Nq, Nk, Nc, D: tl.constexpr, C, W, q_offset, n_sum_tiles, n_key_tiles, SUM_SPLITS,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -313,9 +337,11 @@ def _eva_bwd_kv(
     stride_dksb, stride_dksh, stride_dksn,
     stride_dvsb, stride_dvsh, stride_dvsn,
     stride_dkss, stride_dvss, stride_dbs,
+    stride_dsb, stride_dsh, stride_dsm, ds_col0,
     qk_scale, scale,
     SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, DS_STORE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One launch for summary tiles then exact-key tiles. Summary tile c0 is seen by every query from
     first(c0) on, so the early summaries are the longest programs: they come first, tile-major over the
@@ -330,25 +356,27 @@ def _eva_bwd_kv(
         split = r // BH
         _kv_tile(pid // (SUM_SPLITS * BH), r % BH, split, SUM_SPLITS, q_ptr, ks_ptr, vs_ptr, bias_ptr, do_ptr,
                  lse_ptr, delta_ptr, dks_ptr + split.to(tl.int64) * stride_dkss,
-                 dvs_ptr + split.to(tl.int64) * stride_dvss, dbias_ptr + split.to(tl.int64) * stride_dbs,
+                 dvs_ptr + split.to(tl.int64) * stride_dvss, dbias_ptr + split.to(tl.int64) * stride_dbs, ds_ptr,
                  H, Hkv, G, Nq, Nk, Nc, Nc, D, C, W, q_offset,
                  stride_qb, stride_qh, stride_qm, stride_ksb, stride_ksh, stride_ksn,
                  stride_vsb, stride_vsh, stride_vsn, stride_bb, stride_bh, stride_bc,
                  stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
                  stride_dksb, stride_dksh, stride_dksn, stride_dvsb, stride_dvsh, stride_dvsn,
-                 qk_scale, scale, True, SLIDING, BIAS_MODE, EVEN_D, SPLIT_LOOPS, DOT_PREC, BLOCK_M, BLOCK_N,
-                 BLOCK_D)
+                 stride_dsb, stride_dsh, stride_dsm, ds_col0,
+                 qk_scale, scale, True, SLIDING, BIAS_MODE, EVEN_D, SPLIT_LOOPS, DOT_PREC, DS_STORE, BLOCK_M,
+                 BLOCK_N, BLOCK_D)
     else:
         # neighbouring programs: neighbouring key tiles of one head, whose query ranges overlap (L2)
         p = pid - n_sum_programs
         _kv_tile(p % n_key_tiles, p // n_key_tiles, 0, 1, q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr,
-                 dk_ptr, dv_ptr, dbias_ptr, H, Hkv, G, Nq, Nk, Nc, Nk, D, C, W, q_offset,
+                 dk_ptr, dv_ptr, dbias_ptr, ds_ptr, H, Hkv, G, Nq, Nk, Nc, Nk, D, C, W, q_offset,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_bb, stride_bh, stride_bc,
                  stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                 qk_scale, scale, False, SLIDING, BIAS_MODE, EVEN_D, SPLIT_LOOPS, DOT_PREC, BLOCK_M, BLOCK_N,
-                 BLOCK_D)
+                 stride_dsb, stride_dsh, stride_dsm, ds_col0,
+                 qk_scale, scale, False, SLIDING, BIAS_MODE, EVEN_D, SPLIT_LOOPS, DOT_PREC, DS_STORE, BLOCK_M,
+                 BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -413,8 +441,36 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bia
 
 
 @triton.jit
+def _dq_stored(dq, ds_rows, shift, row_ok, k_base, stride_kn, e_lo, e_hi, origin, limit, lo_row, hi_row, offs_n,
+               offs_d, mask_d, MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Add dS K of key blocks e in [e_lo, e_hi) to dq, dS read from the scratch the dK/dV kernel wrote
+    (DS_STORE): row r's entry for position n at ds_rows[r] + n - shift[r]. MASK as `_dq_blocks`; rows
+    past the queries read nothing."""
+    for e in range(e_lo, e_hi):
+        n0 = origin + e * BLOCK_N
+        n = n0 + offs_n
+        k_ptrs = k_base + n0.to(tl.int64) * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
+        if MASK:
+            kmask = (n < limit)[:, None]
+            if not EVEN_D:
+                kmask = kmask & mask_d[None, :]
+            k = tl.load(k_ptrs, mask=kmask, other=0.0)
+            vis = (n[None, :] >= lo_row[:, None]) & (n[None, :] <= hi_row[:, None]) & row_ok[:, None]
+        else:
+            if EVEN_D:
+                k = tl.load(k_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
+            vis = row_ok[:, None]
+        ds = tl.load(ds_rows[:, None] + (n[None, :] - shift[:, None]), mask=vis, other=0.0)
+        dq = tl.dot(ds, k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
 def _eva_bwd_dq(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, ds_ptr,
     H, Hkv, G, Nq, Nk, Nc, D: tl.constexpr, C, W, q_offset,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -425,11 +481,13 @@ def _eva_bwd_dq(
     stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm,
+    stride_dsb, stride_dsh, stride_dsm, ds_col0,
     qk_scale, scale,
     SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DS_STORE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """dQ of one tile of BLOCK_M queries of one (batch, head)."""
+    """dQ of one tile of BLOCK_M queries of one (batch, head): dS recomputed from q, dO, lse and delta,
+    or with DS_STORE read from the scratch the dK/dV kernel filled."""
     n_row_blocks = tl.num_programs(0)
     pid_m = n_row_blocks - 1 - tl.program_id(0)     # the longest rows first
     pid_bh = tl.program_id(1)
@@ -450,40 +508,53 @@ def _eva_bwd_dq(
 
     rows = offs_m.to(tl.int64)
     lmask = row_ok[:, None] & mask_d[None, :]
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :], mask=lmask,
-                other=0.0)
-    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
-                 mask=lmask, other=0.0)
-    lse2 = tl.load(lse_ptr + b * stride_lb + h * stride_lh + rows * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(delta_ptr + (b * H + h) * Nq + rows, mask=row_ok, other=0.0)
-
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
-    v_base = v_ptr + b * stride_vb + hkv * stride_vh
     ks_base = ks_ptr + b * stride_ksb + hkv * stride_ksh
-    vs_base = vs_ptr + b * stride_vsb + hkv * stride_vsh
-    bias_base = bias_ptr + b * stride_bb + hkv * stride_bh
     zero_row = tl.zeros([BLOCK_M], dtype=tl.int32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # summaries every row sees, then the rest of them
-    dq = _dq_blocks(dq, q, do, lse2, delta, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
-                    0, nb_s_full, 0, c_hi, zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                    True, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, lse2, delta, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
-                    nb_s_full, nb_s, 0, c_hi, zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                    True, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
-    # exact keys below start(t_max), those every row sees, those past t_min (the causal diagonal)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-                    0, e_a, st_min, t_max + 1, st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                    False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-                    e_a, e_b, st_min, t_max + 1, st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                    False, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
-                    e_b, nb_e, st_min, t_max + 1, st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
-                    False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+    if DS_STORE:
+        ds_rows = ds_ptr + b * stride_dsb + h * stride_dsh + rows * stride_dsm
+        # summaries (at columns ds_col0 + c), then exact keys (at n - start(t)), in the walk below's blocks
+        dq = _dq_stored(dq, ds_rows, zero_row - ds_col0, row_ok, ks_base, stride_ksn, 0, nb_s_full, 0, c_hi,
+                        zero_row, sc_row - 1, offs_n, offs_d, mask_d, False, EVEN_D, DOT_PREC, BLOCK_N)
+        dq = _dq_stored(dq, ds_rows, zero_row - ds_col0, row_ok, ks_base, stride_ksn, nb_s_full, nb_s, 0, c_hi,
+                        zero_row, sc_row - 1, offs_n, offs_d, mask_d, True, EVEN_D, DOT_PREC, BLOCK_N)
+        dq = _dq_stored(dq, ds_rows, st_row, row_ok, k_base, stride_kn, 0, e_a, st_min, t_max + 1, st_row, t_row,
+                        offs_n, offs_d, mask_d, True, EVEN_D, DOT_PREC, BLOCK_N)
+        dq = _dq_stored(dq, ds_rows, st_row, row_ok, k_base, stride_kn, e_a, e_b, st_min, t_max + 1, st_row,
+                        t_row, offs_n, offs_d, mask_d, False, EVEN_D, DOT_PREC, BLOCK_N)
+        dq = _dq_stored(dq, ds_rows, st_row, row_ok, k_base, stride_kn, e_b, nb_e, st_min, t_max + 1, st_row,
+                        t_row, offs_n, offs_d, mask_d, True, EVEN_D, DOT_PREC, BLOCK_N)
+    else:
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                    mask=lmask, other=0.0)
+        do = tl.load(do_ptr + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
+                     mask=lmask, other=0.0)
+        lse2 = tl.load(lse_ptr + b * stride_lb + h * stride_lh + rows * stride_lm, mask=row_ok,
+                       other=0.0) * 1.4426950408889634
+        delta = tl.load(delta_ptr + (b * H + h) * Nq + rows, mask=row_ok, other=0.0)
+        v_base = v_ptr + b * stride_vb + hkv * stride_vh
+        vs_base = vs_ptr + b * stride_vsb + hkv * stride_vsh
+        bias_base = bias_ptr + b * stride_bb + hkv * stride_bh
+        # summaries every row sees, then the rest of them
+        dq = _dq_blocks(dq, q, do, lse2, delta, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
+                        0, nb_s_full, 0, c_hi, zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                        True, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+        dq = _dq_blocks(dq, q, do, lse2, delta, ks_base, vs_base, stride_ksn, stride_vsn, bias_base, stride_bc,
+                        nb_s_full, nb_s, 0, c_hi, zero_row, sc_row - 1, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                        True, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+        # exact keys below start(t_max), those every row sees, those past t_min (the causal diagonal)
+        dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                        0, e_a, st_min, t_max + 1, st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                        False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+        dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                        e_a, e_b, st_min, t_max + 1, st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                        False, False, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
+        dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bc,
+                        e_b, nb_e, st_min, t_max + 1, st_row, t_row, Nk, C, qk_scale, offs_n, offs_d, mask_d,
+                        False, True, BIAS_MODE, EVEN_D, DOT_PREC, BLOCK_N)
     dq_ptrs = dq_ptr + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :]
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=lmask)
-
 
 # ---------------------------------------------------------------- launcher
 def _block(cfg: dict, name: str) -> int:
@@ -516,8 +587,9 @@ def launch(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv
     strides with a unit last stride. config: BLOCK_M, BLOCK_N, num_warps, num_stages of the dK/dV
     kernel (query tiles x key tiles) and BLOCK_M_DQ, BLOCK_N_DQ, num_warps_dq, num_stages_dq of the
     dQ kernel, all required; SUM_SPLITS (pieces each summary tile's queries are cut into; 0 or absent:
-    automatic) and KV_SPLIT_LOOPS (the dK/dV kernel walks its query tiles in three loops, the fully
-    visible ones unmasked; default off) optional.
+    automatic), KV_SPLIT_LOOPS (the dK/dV kernel walks its query tiles in three loops, the fully
+    visible ones unmasked; default off) and DS_STORE (the dK/dV kernel stores dS, which the dQ kernel
+    reads instead of recomputing it; default off; `ds_store_width`) optional.
     """
     tensors = (q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum, dbias)
     prepare(*tensors, chunk_size=chunk_size, window_size=window_size, sliding=sliding, scale=scale,
@@ -528,11 +600,23 @@ def _strides(shape) -> tuple:
     return torch.empty(shape, device="meta").stride()
 
 
+DS_STORE_MAX_BYTES = 4 << 30  # larger dS scratch (long sequences, many heads): the dQ kernel recomputes dS
+
+
+def ds_store_width(Nk: int, Nc: int, chunk_size: int, window_size: int, sliding: bool) -> tuple[int, int]:
+    """(columns of a query's row in the DS_STORE scratch, the first summary column): the band of exact
+    keys a query sees (n - start(t) < W + C - 1 sliding, < W block; at most Nk), then its Nc summaries,
+    each part padded to 8 elements (16-byte aligned rows)."""
+    band = max(1, min(window_size + chunk_size - 1 if sliding else window_size, Nk))
+    band = -(-band // 8) * 8
+    return band + -(-Nc // 8) * 8, band
+
+
 def prepare(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum, dbias, *, chunk_size,
             window_size, sliding, scale, q_offset, log_count, config, fast=False):
     """The launches `launch` makes for these arguments, prepared from their metadata (shapes, strides,
     dtypes, device; which of bias, dlse and dbias are given): an enqueue taking the 16 tensors of a call
-    with the same metadata, in `launch`'s order. Scratch (delta, split partial sums) is allocated per
+    with the same metadata, in `launch`'s order. Scratch (delta, split partial sums, DS_STORE's dS) is allocated per
     call. fast: direct launches (kernel_call.py)."""
     missing = [key for key in CONFIG_KEYS if key not in config]
     if missing:
@@ -566,8 +650,10 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, d
     bm, bn = _block(config, "BLOCK_M"), _block(config, "BLOCK_N")
     bm_dq, bn_dq = _block(config, "BLOCK_M_DQ"), _block(config, "BLOCK_N_DQ")
     split_loops = config.get("KV_SPLIT_LOOPS", False)
-    if not isinstance(split_loops, bool):
-        raise TypeError(f"config KV_SPLIT_LOOPS must be a bool, got {split_loops!r}")
+    ds_store = config.get("DS_STORE", False)
+    for name, val in (("KV_SPLIT_LOOPS", split_loops), ("DS_STORE", ds_store)):
+        if not isinstance(val, bool):
+            raise TypeError(f"config {name} must be a bool, got {val!r}")
     block_d = max(16, triton.next_power_of_2(D))
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     qk_scale = float(scale) * LOG2E
@@ -601,14 +687,18 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, d
         g_strides = (*sk[1:4], *sk[1:4], sk[0], sk[0], sbias[0])
     else:
         g_strides = (*dk_sum.stride()[:3], *dv_sum.stride()[:3], 0, 0, 0)
+    ds_width, ds_col0 = ds_store_width(Nk, Nc, C, W, bool(sliding))
+    ds_shape = (B, H, max(Nq, 0), ds_width)
+    ds_store = ds_store and has_rows and B * H * Nq * ds_width * q.element_size() <= DS_STORE_MAX_BYTES
+    ds_strides = (*_strides(ds_shape)[:3], ds_col0) if ds_store else (0, 0, 0, 0)
     kv_call = None
     if n_sum_tiles + n_key_tiles > 0:
         kv_call = KernelCall(
-            _eva_bwd_kv, ((n_sum_tiles * splits + n_key_tiles) * B * Hkv,), 14,
+            _eva_bwd_kv, ((n_sum_tiles * splits + n_key_tiles) * B * Hkv,), 15,
             (*common, D, C, W, q_offset, n_sum_tiles, n_key_tiles, splits, *q_strides, *kv_strides, *tail,
-             *dk.stride()[:3], *dv.stride()[:3], *g_strides, qk_scale, float(scale)),
+             *dk.stride()[:3], *dv.stride()[:3], *g_strides, *ds_strides, qk_scale, float(scale)),
             dict(SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, SPLIT_LOOPS=split_loops,
-                 DOT_PREC=dot_prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d),
+                 DOT_PREC=dot_prec, DS_STORE=ds_store, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d),
             dict(num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"])), fast=fast)
     sum_call = None
     if splits > 1:
@@ -622,10 +712,11 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, d
     if has_rows:
         bm_dq = min(bm_dq, max(16, triton.next_power_of_2(Nq)))
         dq_call = KernelCall(
-            _eva_bwd_dq, (triton.cdiv(Nq, bm_dq), B * H), 10,
-            (*common, D, C, W, q_offset, *q_strides, *kv_strides, *tail, *dq.stride()[:3], qk_scale, float(scale)),
+            _eva_bwd_dq, (triton.cdiv(Nq, bm_dq), B * H), 11,
+            (*common, D, C, W, q_offset, *q_strides, *kv_strides, *tail, *dq.stride()[:3], *ds_strides, qk_scale,
+             float(scale)),
             dict(SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, DOT_PREC=dot_prec,
-                 BLOCK_M=bm_dq, BLOCK_N=bn_dq, BLOCK_D=block_d),
+                 DS_STORE=ds_store, BLOCK_M=bm_dq, BLOCK_N=bn_dq, BLOCK_D=block_d),
             dict(num_warps=int(config["num_warps_dq"]), num_stages=int(config["num_stages_dq"])), fast=fast)
 
     def enqueue(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum, dbias):
@@ -640,12 +731,13 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, d
             gb = new_output(part_b, torch.float32, device) if has_bias else gks
         else:
             gks, gvs, gb = dk_sum, dv_sum, dbias_t
+        ds = new_output(ds_shape, q.dtype, device) if ds_store else q  # every entry the dQ kernel reads is written
         if kv_call is not None:
-            kv_call(q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dk, dv, gks, gvs, gb)
+            kv_call(q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dk, dv, gks, gvs, gb, ds)
         if sum_call is not None:
             sum_call(gks, gvs, gb, dk_sum, dv_sum, dbias_t)
         if dq_call is not None:
-            dq_call(q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dq)
+            dq_call(q, k, v, k_sum, v_sum, bias_t, do, lse, delta, dq, ds)
 
     enqueue.calls = tuple(c for c in (delta_call, kv_call, sum_call, dq_call) if c is not None)  # tests
     return enqueue
