@@ -216,30 +216,28 @@ def _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, stride_kn,
             k, v = _load_kv(k_ptrs, v_ptrs, n, limit, mask_d, EVEN_D)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)                # raw q.k
-        if BIAS_MODE != 0:  # the bias before the mask: a NaN or inf bias must not reach rows masked off
-            s = s * qk_scale                                                # base-2 logits
-            if BIAS_MODE == 1:
-                bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=is_sum & (n < limit), other=0.0)
-                s += bias.to(tl.float32)[None, :] * 1.4426950408889634
-            else:
-                count = tl.minimum(C, Nk - n * C).to(tl.float32)            # tokens of chunk n
-                s += tl.where(is_sum, tl.log2(tl.maximum(count, 1.0)), 0.0)[None, :]
+        # the scale folds into the max and into one FMA per logit (qk_scale > 0 here, so that a masked
+        # -inf stays -inf); summary blocks with a bias take it before the mask (a NaN or inf bias must
+        # not reach rows masked off) and are scaled here already
+        sc = qk_scale
+        if BIAS_MODE != 0:
+            if is_sum:
+                if BIAS_MODE == 1:
+                    bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=n < limit, other=0.0)
+                    s = s * qk_scale + bias.to(tl.float32)[None, :] * 1.4426950408889634
+                else:
+                    count = tl.minimum(C, Nk - n * C).to(tl.float32)        # tokens of chunk n
+                    s = s * qk_scale + tl.log2(tl.maximum(count, 1.0))[None, :]
+                sc = 1.0
         full = tl.where(is_sum, e < nb_s_full, (ee >= e_a) & (ee < e_b))
         if not full:
             lo_row = tl.where(is_sum, 0, st_row)
             hi_row = tl.where(is_sum, sc_row - 1, t_row)
             vis = (n[None, :] >= lo_row[:, None]) & (n[None, :] <= hi_row[:, None])
             s = tl.where(vis, s, float("-inf"))
-        if BIAS_MODE == 0:
-            # the scale folds into the max and into one FMA per logit (qk_scale > 0 here, so that a
-            # masked -inf stays -inf)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s * qk_scale - m_use[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_use[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * sc)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * sc - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
