@@ -416,13 +416,15 @@ def test_explicit_configs_from_the_space(bwd_backend, dtype, decode, index):
     dict(B=1, H=3, Hkv=3, Nq=7, Nk=40, D=16, C=2, W=4, window="sliding", summary_bias=None, q_offset=20),
     dict(B=1, H=2, Hkv=1, Nq=3, Nk=33, D=16, C=4, W=8, window="block", summary_bias="tensor"),
     dict(B=1, H=2, Hkv=2, Nq=None, Nk=70, D=16, C=4, W=64, window="sliding", summary_bias="log_count"),
-], ids=["sliding-gqa", "block-strided", "chunked", "decode", "wide-window"])
+    dict(B=1, H=2, Hkv=1, Nq=None, Nk=100, D=16, C=4, W=64, window="block", summary_bias="tensor"),
+], ids=["sliding-gqa", "block-strided", "chunked", "decode", "wide-window", "block-aligned"])
 @pytest.mark.parametrize("split_loops", [False, True])
 def test_stored_ds_equals_recomputed(bwd_backend, case, split_loops):
     """Config DS_STORE (the dK/dV kernel stores dS, the dQ kernel reads it; outputs and the scratch start
-    as NaN under FLASHSWITCH_POISON, so an entry read but never written shows): the gradients match the
+    as NaN under FLASHSWITCH_POISON, so an entry used but never written shows): the gradients match the
     reference, and dK, dV, dk_sum, dv_sum and d bias equal the recomputing kernels' bit for bit (the
-    same kernel computes them)."""
+    same kernel computes them). The dQ kernel's whole-row loads (sliding windows, block windows no query
+    tile straddles: "block-aligned") and its visible-entry loads (the rest) both run."""
     dt = dtypes_here()[-1]
     p = random_problem(device=DEVICE, dtype=dt, seed=case["Nk"], **case)
     do, dlse = _upstream(p, 1)

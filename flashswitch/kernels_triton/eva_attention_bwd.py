@@ -24,7 +24,7 @@ Kernels, no atomics (two calls give bitwise-equal gradients):
 - `_eva_bwd_dq`: one program per query tile of one (batch, head), walking the forward's key blocks
   (`_tile_blocks`: summaries, then exact keys; masks only on partly visible blocks).
 - Config DS_STORE: the dK/dV kernel also stores each visible pair's dS (in q's dtype, as the dQ
-  product rounds it) to a scratch [B, H, Nq, band + Nc] (a query's row: its window's keys by offset
+  product rounds it) to a scratch [B, H, Nq, ~band + Nc] (a query's row: its window's keys by offset
   from start(t), then its summaries), and the dQ kernel reads it instead of recomputing P and dP: one
   product per pair instead of three, no exp, no q / dO / lse / delta loads, for a write and a read of
   the scratch (`ds_store_width`; above DS_STORE_MAX_BYTES it recomputes).
@@ -127,7 +127,7 @@ def _kv_walk_range(n0, N, Nq, C, W, q_offset, SUMMARY: tl.constexpr, SLIDING: tl
 def _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, ds_ptr, b, hkv, H, G, Nq, Nc, C, W,
              q_offset, it_lo, it_hi, n_seg, m_first, t_hi, offs_n, offs_m, offs_d, mask_d,
              stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
-             stride_dsb, stride_dsh, stride_dsm, ds_col0,
+             stride_dsb, stride_dsh, stride_dsm, ds_col_e, ds_col0,
              qk_scale, SUMMARY: tl.constexpr, SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr,
              EVEN_D: tl.constexpr, MASK: tl.constexpr, FROM_ZERO: tl.constexpr, DOT_PREC: tl.constexpr,
              DS_STORE: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -136,8 +136,11 @@ def _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, ds_p
     MASK: each element takes its visibility (rows past t_hi are no queries). Without MASK every row of
     every tile is a query that sees every key of the key tile: no compares, no `where`. FROM_ZERO: the
     loop counts from 0 (the split loops: from it_lo, Triton 3.6 serialized the summary path's wgmma).
-    DS_STORE: dS of each visible pair also goes to the scratch the dQ kernel reads (`_dq_stored`): row
-    t - q_offset of head h, column n - start(t) for exact key n, ds_col0 + n for summary n."""
+    DS_STORE: dS also goes to the scratch the dQ kernel reads (`_dq_stored`): row t - q_offset of head h,
+    column ds_col_e + n - start(t) for exact key n, ds_col0 + n for summary n. Whole key columns of
+    each query row are stored (zeros where it does not see the key; each (row, column) belongs to one
+    key, so one program), so that the store's mask is per row and its 16-bit values go out in vectors
+    along the keys; `ds_store_width` pads the rows for it."""
     if FROM_ZERO:
         j_lo = 0
         j_hi = it_hi - it_lo
@@ -196,11 +199,11 @@ def _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, ds_p
             if SUMMARY:
                 col = offs_n[:, None] + ds_col0
             else:
-                col = offs_n[:, None] - _start(t_row, C, W, SLIDING)[None, :]
+                col = offs_n[:, None] + (ds_col_e - _start(t_row, C, W, SLIDING))[None, :]
             # int32 offsets within the (batch, head)'s rows: the launcher caps the scratch below 2^31 elements
             ds_ptrs = ds_ptr + (b * stride_dsb + h * stride_dsh) + ((t_row - q_offset)[None, :] * stride_dsm + col)
             if MASK:
-                tl.store(ds_ptrs, dsT.to(ds_ptr.dtype.element_ty), mask=vis)
+                tl.store(ds_ptrs, dsT.to(ds_ptr.dtype.element_ty), mask=row_ok[None, :])
             else:
                 tl.store(ds_ptrs, dsT.to(ds_ptr.dtype.element_ty))
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
@@ -222,7 +225,7 @@ def _kv_tile(
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    stride_dsb, stride_dsh, stride_dsm, ds_col0,
+    stride_dsb, stride_dsh, stride_dsm, ds_col_e, ds_col0,
     qk_scale, scale,
     SUMMARY: tl.constexpr, SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr,
     SPLIT_LOOPS: tl.constexpr, DOT_PREC: tl.constexpr, DS_STORE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -279,9 +282,9 @@ def _kv_tile(
                                  G, Nq, Nc, C, W, q_offset, tl.minimum(lo, n_lead), tl.minimum(hi, n_lead),
                                  tl.maximum(i_a, 1), t_lo, t_hi, offs_n, offs_m, offs_d, mask_d,
                                  stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                                 stride_lb, stride_lh, stride_lm, stride_dsb, stride_dsh, stride_dsm, ds_col0,
-                                 qk_scale, SUMMARY, SLIDING, BIAS_MODE, EVEN_D, True, True, DOT_PREC, DS_STORE,
-                                 BLOCK_M)
+                                 stride_lb, stride_lh, stride_lm, stride_dsb, stride_dsh, stride_dsm, ds_col_e,
+                                 ds_col0, qk_scale, SUMMARY, SLIDING, BIAS_MODE, EVEN_D, True, True, DOT_PREC,
+                                 DS_STORE, BLOCK_M)
         lo -= n_lead
         hi -= n_lead
         dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, ds_ptr, b, hkv, H,
@@ -289,9 +292,9 @@ def _kv_tile(
                                  tl.minimum(tl.maximum(hi, 0), n_mid), tl.maximum(i_b - i_a, 1),
                                  t_lo + i_a * BLOCK_M, t_hi, offs_n, offs_m, offs_d,
                                  mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                                 stride_lb, stride_lh, stride_lm, stride_dsb, stride_dsh, stride_dsm, ds_col0,
-                                 qk_scale, SUMMARY, SLIDING, BIAS_MODE, EVEN_D, False, True, DOT_PREC, DS_STORE,
-                                 BLOCK_M)
+                                 stride_lb, stride_lh, stride_lm, stride_dsb, stride_dsh, stride_dsm, ds_col_e,
+                                 ds_col0, qk_scale, SUMMARY, SLIDING, BIAS_MODE, EVEN_D, False, True, DOT_PREC,
+                                 DS_STORE, BLOCK_M)
         lo -= n_mid
         hi -= n_mid
         dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, ds_ptr, b, hkv, H,
@@ -299,17 +302,17 @@ def _kv_tile(
                                  tl.minimum(tl.maximum(hi, 0), n_trail), tl.maximum(n_tiles - i_b, 1),
                                  t_lo + i_b * BLOCK_M, t_hi, offs_n, offs_m, offs_d,
                                  mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                                 stride_lb, stride_lh, stride_lm, stride_dsb, stride_dsh, stride_dsm, ds_col0,
-                                 qk_scale, SUMMARY, SLIDING, BIAS_MODE, EVEN_D, True, True, DOT_PREC, DS_STORE,
-                                 BLOCK_M)
+                                 stride_lb, stride_lh, stride_lm, stride_dsb, stride_dsh, stride_dsm, ds_col_e,
+                                 ds_col0, qk_scale, SUMMARY, SLIDING, BIAS_MODE, EVEN_D, True, True, DOT_PREC,
+                                 DS_STORE, BLOCK_M)
     else:
         # one flat loop over (query head of the group, query tile): a single software pipeline
         dk, dv, dbias = _kv_walk(dk, dv, dbias, k, v, bias2, q_ptr, do_ptr, lse_ptr, delta_ptr, ds_ptr, b, hkv, H,
                                  G, Nq, Nc, C, W, q_offset, lo, hi, n_tiles, t_lo, t_hi, offs_n, offs_m, offs_d,
                                  mask_d, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                                 stride_lb, stride_lh, stride_lm, stride_dsb, stride_dsh, stride_dsm, ds_col0,
-                                 qk_scale, SUMMARY, SLIDING, BIAS_MODE, EVEN_D, True, False, DOT_PREC, DS_STORE,
-                                 BLOCK_M)
+                                 stride_lb, stride_lh, stride_lm, stride_dsb, stride_dsh, stride_dsm, ds_col_e,
+                                 ds_col0, qk_scale, SUMMARY, SLIDING, BIAS_MODE, EVEN_D, True, False, DOT_PREC,
+                                 DS_STORE, BLOCK_M)
 
     nmask = (offs_n < N)[:, None] & mask_d[None, :]
     dk_ptrs = dk_ptr + b * stride_dkb + hkv * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dkn + offs_d[None, :]
@@ -337,7 +340,7 @@ def _eva_bwd_kv(
     stride_dksb, stride_dksh, stride_dksn,
     stride_dvsb, stride_dvsh, stride_dvsn,
     stride_dkss, stride_dvss, stride_dbs,
-    stride_dsb, stride_dsh, stride_dsm, ds_col0,
+    stride_dsb, stride_dsh, stride_dsm, ds_col_e, ds_col0,
     qk_scale, scale,
     SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     DOT_PREC: tl.constexpr, DS_STORE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -362,7 +365,7 @@ def _eva_bwd_kv(
                  stride_vsb, stride_vsh, stride_vsn, stride_bb, stride_bh, stride_bc,
                  stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
                  stride_dksb, stride_dksh, stride_dksn, stride_dvsb, stride_dvsh, stride_dvsn,
-                 stride_dsb, stride_dsh, stride_dsm, ds_col0,
+                 stride_dsb, stride_dsh, stride_dsm, ds_col_e, ds_col0,
                  qk_scale, scale, True, SLIDING, BIAS_MODE, EVEN_D, SPLIT_LOOPS, DOT_PREC, DS_STORE, BLOCK_M,
                  BLOCK_N, BLOCK_D)
     else:
@@ -374,7 +377,7 @@ def _eva_bwd_kv(
                  stride_vb, stride_vh, stride_vn, stride_bb, stride_bh, stride_bc,
                  stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                 stride_dsb, stride_dsh, stride_dsm, ds_col0,
+                 stride_dsb, stride_dsh, stride_dsm, ds_col_e, ds_col0,
                  qk_scale, scale, False, SLIDING, BIAS_MODE, EVEN_D, SPLIT_LOOPS, DOT_PREC, DS_STORE, BLOCK_M,
                  BLOCK_N, BLOCK_D)
 
@@ -443,10 +446,12 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bia
 @triton.jit
 def _dq_stored(dq, ds_rows, shift, row_ok, k_base, stride_kn, e_lo, e_hi, origin, limit, lo_row, hi_row, offs_n,
                offs_d, mask_d, MASK: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+               ROW_LOADS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Add dS K of key blocks e in [e_lo, e_hi) to dq, dS read from the scratch the dK/dV kernel wrote
     (DS_STORE): row r's entry for position n at ds_rows[r] + n - shift[r]. MASK as `_dq_blocks`; rows
-    past the queries read nothing."""
+    past the queries read nothing. ROW_LOADS: the scratch's padding keeps every column of a walked block
+    inside its row (`ds_store_width`), so a masked block loads whole rows (in vectors) and zeroes the
+    entries its rows do not see (unwritten ones among them) with `where`; else it loads those alone."""
     for e in range(e_lo, e_hi):
         n0 = origin + e * BLOCK_N
         n = n0 + offs_n
@@ -463,8 +468,12 @@ def _dq_stored(dq, ds_rows, shift, row_ok, k_base, stride_kn, e_lo, e_hi, origin
             else:
                 k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
             vis = row_ok[:, None]
-        ds = tl.load(ds_rows[:, None] + (n[None, :] - shift[:, None]), mask=vis, other=0.0)
-        dq = tl.dot(ds, k, dq, input_precision=DOT_PREC)
+        ds_ptrs = ds_rows[:, None] + (n[None, :] - shift[:, None])
+        if MASK and ROW_LOADS:
+            ds = tl.where(vis, tl.load(ds_ptrs, mask=row_ok[:, None], other=0.0), 0.0)
+        else:
+            ds = tl.load(ds_ptrs, mask=vis, other=0.0)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     return dq
 
 
@@ -481,10 +490,11 @@ def _eva_bwd_dq(
     stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm,
-    stride_dsb, stride_dsh, stride_dsm, ds_col0,
+    stride_dsb, stride_dsh, stride_dsm, ds_col_e, ds_col0,
     qk_scale, scale,
     SLIDING: tl.constexpr, BIAS_MODE: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
-    DS_STORE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DS_STORE: tl.constexpr, DS_ROW_LOADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """dQ of one tile of BLOCK_M queries of one (batch, head): dS recomputed from q, dO, lse and delta,
     or with DS_STORE read from the scratch the dK/dV kernel filled."""
@@ -514,17 +524,24 @@ def _eva_bwd_dq(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if DS_STORE:
         ds_rows = ds_ptr + b * stride_dsb + h * stride_dsh + rows * stride_dsm
-        # summaries (at columns ds_col0 + c), then exact keys (at n - start(t)), in the walk below's blocks
+        # summaries (at columns ds_col0 + c), then exact keys (at ds_col_e + n - start(t)), in the walk
+        # below's blocks
         dq = _dq_stored(dq, ds_rows, zero_row - ds_col0, row_ok, ks_base, stride_ksn, 0, nb_s_full, 0, c_hi,
-                        zero_row, sc_row - 1, offs_n, offs_d, mask_d, False, EVEN_D, DOT_PREC, BLOCK_N)
+                        zero_row, sc_row - 1, offs_n, offs_d, mask_d, False, EVEN_D, DOT_PREC, DS_ROW_LOADS,
+                        BLOCK_N)
         dq = _dq_stored(dq, ds_rows, zero_row - ds_col0, row_ok, ks_base, stride_ksn, nb_s_full, nb_s, 0, c_hi,
-                        zero_row, sc_row - 1, offs_n, offs_d, mask_d, True, EVEN_D, DOT_PREC, BLOCK_N)
-        dq = _dq_stored(dq, ds_rows, st_row, row_ok, k_base, stride_kn, 0, e_a, st_min, t_max + 1, st_row, t_row,
-                        offs_n, offs_d, mask_d, True, EVEN_D, DOT_PREC, BLOCK_N)
-        dq = _dq_stored(dq, ds_rows, st_row, row_ok, k_base, stride_kn, e_a, e_b, st_min, t_max + 1, st_row,
-                        t_row, offs_n, offs_d, mask_d, False, EVEN_D, DOT_PREC, BLOCK_N)
-        dq = _dq_stored(dq, ds_rows, st_row, row_ok, k_base, stride_kn, e_b, nb_e, st_min, t_max + 1, st_row,
-                        t_row, offs_n, offs_d, mask_d, True, EVEN_D, DOT_PREC, BLOCK_N)
+                        zero_row, sc_row - 1, offs_n, offs_d, mask_d, True, EVEN_D, DOT_PREC, DS_ROW_LOADS,
+                        BLOCK_N)
+        shift = st_row - ds_col_e
+        dq = _dq_stored(dq, ds_rows, shift, row_ok, k_base, stride_kn, 0, e_a, st_min, t_max + 1, st_row, t_row,
+                        offs_n, offs_d, mask_d, True, EVEN_D, DOT_PREC, DS_ROW_LOADS,
+                        BLOCK_N)
+        dq = _dq_stored(dq, ds_rows, shift, row_ok, k_base, stride_kn, e_a, e_b, st_min, t_max + 1, st_row, t_row,
+                        offs_n, offs_d, mask_d, False, EVEN_D, DOT_PREC, DS_ROW_LOADS,
+                        BLOCK_N)
+        dq = _dq_stored(dq, ds_rows, shift, row_ok, k_base, stride_kn, e_b, nb_e, st_min, t_max + 1, st_row, t_row,
+                        offs_n, offs_d, mask_d, True, EVEN_D, DOT_PREC, DS_ROW_LOADS,
+                        BLOCK_N)
     else:
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
                     mask=lmask, other=0.0)
@@ -603,13 +620,29 @@ def _strides(shape) -> tuple:
 DS_STORE_MAX_BYTES = 4 << 30  # larger dS scratch (long sequences, many heads): the dQ kernel recomputes dS
 
 
-def ds_store_width(Nk: int, Nc: int, chunk_size: int, window_size: int, sliding: bool) -> tuple[int, int]:
-    """(columns of a query's row in the DS_STORE scratch, the first summary column): the band of exact
-    keys a query sees (n - start(t) < W + C - 1 sliding, < W block; at most Nk), then its Nc summaries,
-    each part padded to 8 elements (16-byte aligned rows)."""
-    band = max(1, min(window_size + chunk_size - 1 if sliding else window_size, Nk))
-    band = -(-band // 8) * 8
-    return band + -(-Nc // 8) * 8, band
+def ds_store_width(Nk: int, Nc: int, chunk_size: int, window_size: int, sliding: bool, q_offset: int,
+                   block_n: int, block_m_dq: int, block_n_dq: int) -> tuple[int, int, int, bool]:
+    """The DS_STORE scratch's row layout: (columns, the column of start(t), the first summary column,
+    whether the dQ kernel's masked blocks may load whole rows).
+
+    The dK/dV kernel stores whole key tiles of block_n keys per query row: key n of a tile that row t sees
+    some key of lies in [start(t) - block_n + 1, start(t) + band + block_n - 1), band being the keys a
+    query sees (n - start(t) < W + C - 1 sliding, < W block; at most Nk). The dQ kernel's blocks of
+    block_n_dq keys from start(t_min) of its tile of block_m_dq rows reach below start(t) by
+    start(t_max) - start(t_min): under block_m_dq + C sliding, 0 in a block window when no tile straddles
+    a window (W and q_offset multiples of block_m_dq; else it loads only what its rows see), and above
+    start(t) + band by under block_m_dq + block_n_dq. The summaries' part holds whole tiles of either
+    kernel. Parts padded to 16 elements (aligned vectors and rows)."""
+    def pad(n):
+        return -(-n // 16) * 16
+    C, W = chunk_size, window_size
+    band = max(1, min(W + C - 1 if sliding else W, Nk))
+    row_loads = sliding or (W % block_m_dq == 0 and q_offset % block_m_dq == 0)
+    below = max(block_n, (block_m_dq + C) if sliding else 0)
+    origin = pad(below)
+    exact = pad(origin + band + max(block_n, block_m_dq + block_n_dq))
+    sums = pad(max(-(-Nc // block_n) * block_n, -(-Nc // block_n_dq) * block_n_dq))
+    return exact + sums, origin, exact, row_loads
 
 
 def prepare(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum, dbias, *, chunk_size,
@@ -687,10 +720,11 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, d
         g_strides = (*sk[1:4], *sk[1:4], sk[0], sk[0], sbias[0])
     else:
         g_strides = (*dk_sum.stride()[:3], *dv_sum.stride()[:3], 0, 0, 0)
-    ds_width, ds_col0 = ds_store_width(Nk, Nc, C, W, bool(sliding))
+    ds_width, ds_col_e, ds_col0, ds_row_loads = ds_store_width(Nk, Nc, C, W, bool(sliding), q_offset, bn, bm_dq,
+                                                               bn_dq)
     ds_shape = (B, H, max(Nq, 0), ds_width)
     ds_store = ds_store and has_rows and B * H * Nq * ds_width * q.element_size() <= DS_STORE_MAX_BYTES
-    ds_strides = (*_strides(ds_shape)[:3], ds_col0) if ds_store else (0, 0, 0, 0)
+    ds_strides = (*_strides(ds_shape)[:3], ds_col_e, ds_col0) if ds_store else (0, 0, 0, 0, 0)
     kv_call = None
     if n_sum_tiles + n_key_tiles > 0:
         kv_call = KernelCall(
@@ -716,7 +750,7 @@ def prepare(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, d
             (*common, D, C, W, q_offset, *q_strides, *kv_strides, *tail, *dq.stride()[:3], *ds_strides, qk_scale,
              float(scale)),
             dict(SLIDING=bool(sliding), BIAS_MODE=bias_mode, EVEN_D=D == block_d, DOT_PREC=dot_prec,
-                 DS_STORE=ds_store, BLOCK_M=bm_dq, BLOCK_N=bn_dq, BLOCK_D=block_d),
+                 DS_STORE=ds_store, DS_ROW_LOADS=ds_row_loads, BLOCK_M=bm_dq, BLOCK_N=bn_dq, BLOCK_D=block_d),
             dict(num_warps=int(config["num_warps_dq"]), num_stages=int(config["num_stages_dq"])), fast=fast)
 
     def enqueue(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, dq, dk, dv, dk_sum, dv_sum, dbias):
