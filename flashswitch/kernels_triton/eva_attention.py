@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from flashswitch._common import new_output, next_pow2
-from flashswitch.kernels_triton.eva_tiles import _qk_scale, _start, _tile_blocks, _window_start
+from flashswitch.kernels_triton.eva_tiles import _log2_count, _qk_scale, _start, _tile_blocks, _window_start
 from flashswitch.kernels_triton.kernel_call import KernelCall
 
 try:  # Triton >= 3.4
@@ -105,8 +105,7 @@ def _add_summary_bias(s, n, limit, bias_base, stride_bc, Nk, C, MASK: tl.constex
             bias = tl.load(bias_base + n.to(tl.int64) * stride_bc)
         s += bias.to(tl.float32)[None, :] * 1.4426950408889634
     elif BIAS_MODE == 2:
-        count = tl.minimum(C, Nk - n * C).to(tl.float32)                    # tokens of chunk n
-        s += tl.log2(tl.maximum(count, 1.0))[None, :]
+        s += _log2_count(n, Nk, C)[None, :]
     return s
 
 
@@ -226,8 +225,7 @@ def _attend_fused(acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, stride_kn,
                     bias = tl.load(bias_base + n.to(tl.int64) * stride_bc, mask=n < limit, other=0.0)
                     s = s * qk_scale + bias.to(tl.float32)[None, :] * 1.4426950408889634
                 else:
-                    count = tl.minimum(C, Nk - n * C).to(tl.float32)        # tokens of chunk n
-                    s = s * qk_scale + tl.log2(tl.maximum(count, 1.0))[None, :]
+                    s = s * qk_scale + _log2_count(n, Nk, C)[None, :]
                 sc = 1.0
         full = tl.where(is_sum, e < nb_s_full, (ee >= e_a) & (ee < e_b))
         if not full:

@@ -42,7 +42,7 @@ from flashswitch._common import new_output
 from flashswitch.kernels_triton.eva_attention import (BIAS_LOG_COUNT, BIAS_NONE, BIAS_TENSOR, MAX_GRID_Y,
                                                       MAX_HEAD_DIM, _add_summary_bias, _load_kv, _load_kv_block,
                                                       _nothing)
-from flashswitch.kernels_triton.eva_tiles import LOG2E, _start, _tile_blocks
+from flashswitch.kernels_triton.eva_tiles import LOG2E, _log2_count, _start, _tile_blocks
 from flashswitch.kernels_triton.kernel_call import KernelCall
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M_DQ", "BLOCK_N_DQ", "num_warps_dq",
@@ -262,8 +262,7 @@ def _kv_tile(
                            mask=offs_n < N, other=0.0).to(tl.float32)
             bias2 = bias * 1.4426950408889634
         elif BIAS_MODE == 2:
-            count = tl.minimum(C, Nk - offs_n * C).to(tl.float32)            # tokens of chunk n
-            bias2 = tl.log2(tl.maximum(count, 1.0))
+            bias2 = _log2_count(offs_n, Nk, C)
     t_lo, t_hi, n_tiles, i_a, i_b = _kv_walk_range(n0, N, Nq, C, W, q_offset, SUMMARY, SLIDING, BLOCK_M, BLOCK_N)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)

@@ -37,6 +37,17 @@ def _tile_blocks(t_min, t_max, C, W, Nc, SLIDING: tl.constexpr, BLOCK_N: tl.cons
     return st_min, c_hi, nb_s_full, nb_s, nb_e, e_a, e_b
 
 
+@triton.jit
+def _log2_count(n, Nk, C):
+    """log2 of the token count of chunks n (a tensor) of Nk keys: C for every chunk but the last, whose
+    count Nk - last * C is its own, and 0 past the last (log2 of a count clamped to 1). Two scalar
+    log2s instead of one per element: Triton's log2 is a polynomial of a dozen FMAs."""
+    last = (Nk - 1) // C
+    full2 = tl.log2(tl.cast(C, tl.float32))
+    last2 = tl.log2(tl.cast(Nk - last * C, tl.float32))
+    return tl.where(n < last, full2, tl.where(n == last, last2, 0.0))
+
+
 def _window_start(t: int, C: int, W: int, sliding: bool) -> int:
     """start(t) of the SPEC on the host: the first exact key position t sees."""
     return (max(t - W + 1, 0) // C) * C if sliding else (t // W) * W
