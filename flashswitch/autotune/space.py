@@ -368,14 +368,17 @@ def _eva_bwd_triton_space(f: dict) -> list[dict]:
     if not fp32 and not decode:
         out += [{**default, "SUM_SPLITS": sp, "KV_SPLIT_LOOPS": True} for sp in (2, 4)]
     # dS stored by the dK/dV kernel and read by the dQ kernel (one product per pair there instead of three,
-    # no exp; a scratch write and read): each dK/dV tile with the default dQ tiles, and each dQ tile with
-    # the default dK/dV tiles, at the default's walk and stages
-    walk = {"KV_SPLIT_LOOPS": True} if default.get("KV_SPLIT_LOOPS") else {}
-    ks = default["num_stages"]
-    kv_ds = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": ks, **dq_default, **walk, "DS_STORE": True}
-             for bm, bn, w in kv if _eva_bwd_fits(f, bm, bn, w, ks)]
-    dq_ds = [{**default, "BLOCK_M_DQ": bm2, "BLOCK_N_DQ": bn2, "num_warps_dq": w2, "DS_STORE": True}
-             for bm2, bn2, w2 in dq if _eva_bwd_dq_fits(f, bm2, bn2, w2, default["num_stages_dq"])]
+    # no exp; a scratch write and read), prefill only: each dK/dV tile with the default dQ tiles, and each
+    # dQ tile with the default dK/dV tiles, at the default's stages; the dK/dV walk in three loops (in
+    # one, Triton 3.6 / ptxas serialize its wgmma at D = 64)
+    kv_ds = dq_ds = []
+    if not decode:
+        ks = default["num_stages"]
+        kv_ds = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": ks, **dq_default, "KV_SPLIT_LOOPS": True,
+                  "DS_STORE": True} for bm, bn, w in kv if _eva_bwd_fits(f, bm, bn, w, ks)]
+        dq_ds = [{**default, "BLOCK_M_DQ": bm2, "BLOCK_N_DQ": bn2, "num_warps_dq": w2, "KV_SPLIT_LOOPS": True,
+                  "DS_STORE": True} for bm2, bn2, w2 in dq
+                 if _eva_bwd_dq_fits(f, bm2, bn2, w2, default["num_stages_dq"])]
     out += kv_ds + dq_ds
     uniq = []
     for c in out:
