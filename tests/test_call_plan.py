@@ -1,4 +1,4 @@
-"""Per-signature call plans (flashswitch/call_plan.py): a cached call gives the uncached call's results,
+"""Per-signature call plans (flashswitch/ops/call_plan.py): a cached call gives the uncached call's results,
 a cache hit skips the checks, the backend choice and the config lookup but still rejects every bad
 argument, and a write to the tuned-config store or a changed environment setting starts the caches
 over."""
@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import DEVICE, dtypes_here, kernel_backends
 import flashswitch
 from flashswitch import _common as C
-from flashswitch import call_plan, registry
+from flashswitch import registry
 from flashswitch.autotune import schema, space, store
-from flashswitch.ops import chunk_summaries as cs_op, eva_attention as eva_op, expert_matmul as em_op
+from flashswitch.ops import call_plan, chunk_summaries as cs_op, eva_attention as eva_op, expert_matmul as em_op
 from flashswitch.testing import assert_close
 
 MODULES = {"chunk_summaries": cs_op, "eva_attention": eva_op, "expert_matmul": em_op}

@@ -517,7 +517,8 @@ def test_eager_autograd_path_equals_the_custom_op(backend, G_in, G_out, monkeypa
     """Eager calls that need gradients skip the custom op's dispatcher (a torch.autograd.Function over
     the same kernels, with the call plan's prepared backward): bitwise the gradients of the custom op
     path, the custom op never called, and the backward prepared once per signature and wanted set."""
-    from flashswitch import _common as Cm, call_plan
+    from flashswitch import _common as Cm
+    from flashswitch.ops import call_plan
     call_plan.clear_all()  # a plan of this signature from an earlier test would hide the first prepare
     p = random_problem(T=21, S=4, E=5, d_in=24, d_out=20, G_in=G_in, G_out=G_out, device=DEVICE, seed=11)
     dy = _dy(p)

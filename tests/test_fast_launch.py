@@ -13,9 +13,9 @@ from hypothesis import given, settings, strategies as st
 from conftest import DEVICE
 import flashswitch
 from flashswitch import _common as C
-from flashswitch import backends, call_plan, registry
+from flashswitch import backends, registry
 from flashswitch.kernels_triton import kernel_call
-from flashswitch.ops import chunk_summaries as cs_op, eva_attention as eva_op, expert_matmul as em_op
+from flashswitch.ops import call_plan, chunk_summaries as cs_op, eva_attention as eva_op, expert_matmul as em_op
 from flashswitch.testing import assert_close
 
 GPU = DEVICE == "cuda"

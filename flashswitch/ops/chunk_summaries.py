@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 
 from flashswitch import _common as C
-from flashswitch import backends, call_plan
+from flashswitch import backends
 from flashswitch.autotune import space
-from flashswitch.ops import _skeleton
+from flashswitch.ops import call_plan
 
 OP = "chunk_summaries"
 OP_BWD = OP + ".bwd"
@@ -49,7 +49,7 @@ def _run_backend(backend: str, k, v, chunk_size, omega, key_weight, valid, scale
     if enqueue is None:
         if config is None:
             config = call_plan.config(OP, backend, _features(OP, k, chunk_size))
-        enqueue = _skeleton.forward_launch(OP, backend, config, dict(chunk_size=chunk_size, scale=scale))
+        enqueue = call_plan.forward_launch(OP, backend, config, dict(chunk_size=chunk_size, scale=scale))
     enqueue(k, v, omega, key_weight, valid, k_sum, v_sum, lse)
     return k_sum, v_sum, lse
 
@@ -93,7 +93,7 @@ def _run_backward(backend: str, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, k
     key = (dk_sum.stride(), dv_sum.stride(), None if dlse is None else (dlse.dtype, dlse.stride()))
     enqueue = None if plan is None else plan.backward.get(key)
     if enqueue is None:
-        enqueue = _skeleton.backward_launch(OP, backend, plan, key, config, (_features, k, chunk_size), *tensors,
+        enqueue = call_plan.backward_launch(OP, backend, plan, key, config, (_features, k, chunk_size), *tensors,
                                             chunk_size=chunk_size, scale=scale)
     enqueue(*tensors)
     return dk, dv, domega, dkw
@@ -107,7 +107,7 @@ def _chunk_summaries_backward_op(dk_sum: torch.Tensor, dv_sum: torch.Tensor, dls
     plan = _cached_plan(k, v, chunk_size, omega, key_weight, valid, scale, backend)
     dk, dv, domega, dkw = _run_backward(plan.backend, dk_sum, dv_sum, dlse, k, v, chunk_size, omega, key_weight,
                                         valid, scale, plan=plan)
-    return dk, dv, _skeleton.absent(k) if domega is None else domega, _skeleton.absent(k) if dkw is None else dkw
+    return dk, dv, call_plan.absent(k) if domega is None else domega, call_plan.absent(k) if dkw is None else dkw
 
 
 @_chunk_summaries_backward_op.register_fake
@@ -278,7 +278,7 @@ class _EagerAutograd(torch.autograd.Function):
 
 # ---------------------------------------------------------------- call plans
 @dataclass(frozen=True, kw_only=True)
-class _Plan(_skeleton.Plan):
+class _Plan(call_plan.Plan):
     scale: float
 
 
@@ -306,7 +306,7 @@ def _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend) -> _Plan:
     B, H, N, D = k.shape
     if D > MAX_KERNEL_D and backend == "auto":
         backend = "reference"
-    backend, bucket = _skeleton.resolve(OP, backend, k.device, _features, k, chunk_size)
+    backend, bucket = call_plan.resolve(OP, backend, k.device, _features, k, chunk_size)
     if backends.TABLE[backend].kernels and D > MAX_KERNEL_D:
         raise ValueError(f"k has head dim D={D}; the {backend} kernels support D <= {MAX_KERNEL_D} "
                          f"(use backend='reference')")
@@ -315,7 +315,7 @@ def _plan(k, v, chunk_size, omega, key_weight, valid, scale, backend) -> _Plan:
                for shape, dtype in (((B, H, Nc, D), k.dtype), ((B, H, Nc, D), v.dtype), ((B, H, Nc), torch.float32))]
     launch = (dict(chunk_size=chunk_size, scale=scale), (k, v, _kernel_view(k, chunk_size, omega), key_weight, valid),
               outputs) if B * H * N and D else None
-    return _skeleton.kernel_plan(_Plan, OP, backend, bucket, (_features, k, chunk_size), launch, scale=scale)
+    return call_plan.kernel_plan(_Plan, OP, backend, bucket, (_features, k, chunk_size), launch, scale=scale)
 
 
 __all__ = ["chunk_summaries"]

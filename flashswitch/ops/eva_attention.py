@@ -18,9 +18,8 @@ from typing import Optional
 import torch
 
 from flashswitch import _common as C
-from flashswitch import call_plan
 from flashswitch.autotune import space
-from flashswitch.ops import _skeleton
+from flashswitch.ops import call_plan
 
 OP = "eva_attention"
 OP_BWD = OP + ".bwd"
@@ -48,7 +47,7 @@ def _run_backend(backend: str, q, k, v, k_sum, v_sum, bias, chunk_size, window_s
     if enqueue is None:
         if config is None:
             config = call_plan.config(OP, backend, _features(OP, q, k, chunk_size, window_size, window))
-        enqueue = _skeleton.forward_launch(OP, backend, config, _scalars(chunk_size, window_size, window, scale,
+        enqueue = call_plan.forward_launch(OP, backend, config, _scalars(chunk_size, window_size, window, scale,
                                                                          q_offset, log_count))
     enqueue(q, k, v, k_sum, v_sum, bias, o, lse)
     return o, lse
@@ -90,7 +89,7 @@ def _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_
     dv = C.new_output((B, Hkv, Nk, D), v.dtype, q.device)
     dk_sum = C.new_output((B, Hkv, Nc, D), k_sum.dtype, q.device)
     dv_sum = C.new_output((B, Hkv, Nc, D), v_sum.dtype, q.device)
-    dbias = C.new_output((B, Hkv, Nc), torch.float32, q.device) if bias is not None else _skeleton.absent(q)
+    dbias = C.new_output((B, Hkv, Nc), torch.float32, q.device) if bias is not None else call_plan.absent(q)
     if B * Hkv * D == 0:
         for t in (dq, dk, dv, dk_sum, dv_sum, dbias):
             t.zero_()
@@ -105,7 +104,7 @@ def _run_backward(backend, q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_
     key = (do.stride(), None if dlse is None else (dlse.dtype, dlse.stride()))
     enqueue = None if plan is None else plan.backward.get(key)
     if enqueue is None:
-        enqueue = _skeleton.backward_launch(OP, backend, plan, key, config, (_features, q, k, chunk_size, window_size,
+        enqueue = call_plan.backward_launch(OP, backend, plan, key, config, (_features, q, k, chunk_size, window_size,
                                                                             window), *tensors,
                                             **_scalars(chunk_size, window_size, window, scale, q_offset, log_count))
     enqueue(*tensors)
@@ -127,7 +126,7 @@ def _eva_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 @_eva_attention_backward_op.register_fake
 def _(q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, chunk_size, window_size, window, scale, q_offset, log_count,
       backend):
-    dbias = q.new_empty(bias.shape, dtype=torch.float32) if bias is not None else _skeleton.absent(q)
+    dbias = q.new_empty(bias.shape, dtype=torch.float32) if bias is not None else call_plan.absent(q)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
@@ -334,7 +333,7 @@ class _EagerAutograd(torch.autograd.Function):
 
 # ---------------------------------------------------------------- call plans
 @dataclass(frozen=True, kw_only=True)
-class _Plan(_skeleton.Plan):
+class _Plan(call_plan.Plan):
     scale: float
     q_offset: int
     bias_tensor: bool
@@ -376,13 +375,13 @@ def _plan(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale, summary
     scale, q_offset, bias, log_count = _validate(q, k, v, k_sum, v_sum, chunk_size, window_size, window, scale,
                                                  summary_bias, q_offset)
     features = (_features, q, k, chunk_size, window_size, window)
-    backend, bucket = _skeleton.resolve(OP, backend, q.device, *features)
+    backend, bucket = call_plan.resolve(OP, backend, q.device, *features)
     B, H, Nq, D = q.shape
     outputs = (torch.empty((B, H, Nq, D), dtype=q.dtype, device="meta"),  # only shapes, strides and dtypes are read
                torch.empty((B, H, Nq), dtype=torch.float32, device="meta"))
     launch = (_scalars(chunk_size, window_size, window, scale, q_offset, log_count),
               (q, k, v, k_sum, v_sum, _kernel_bias(bias)), outputs) if B * H * Nq else None
-    return _skeleton.kernel_plan(_Plan, OP, backend, bucket, features, launch, scale=scale, q_offset=q_offset,
+    return call_plan.kernel_plan(_Plan, OP, backend, bucket, features, launch, scale=scale, q_offset=q_offset,
                                  bias_tensor=bias is not None, log_count=log_count)
 
 

@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 
 from flashswitch import _common as C
-from flashswitch import backends, call_plan
+from flashswitch import backends
 from flashswitch.autotune import space
-from flashswitch.ops import _skeleton
+from flashswitch.ops import call_plan
 
 OP = "expert_matmul"
 OP_BWD = OP + ".bwd"  # the backward kernels' table in the tuned-config store and key in autotune/space.py
@@ -273,7 +273,7 @@ def _run_backend(backend: str, x3, weight, gates, rt: Route, G_out: int, determi
     if enqueue is None:
         if config is None:
             config = call_plan.config(OP, backend, _features(OP, x3, weight, rt.S, G_out, deterministic))
-        enqueue = _skeleton.forward_launch(OP, backend, config, dict(G_in=G_in, G_out=G_out,
+        enqueue = call_plan.forward_launch(OP, backend, config, dict(G_in=G_in, G_out=G_out,
                                                                      deterministic=deterministic))
     enqueue(x3, weight, gates, rt, y)
     return y
@@ -302,10 +302,10 @@ def _run_backward(backend: str, dy, x3, weight, gates, rt: Route, G_out: int, ne
     config: complete (call_plan), None: looked up; plan: the call plan whose prepared launches to use."""
     T, G_in, d_in = x3.shape
     dev = x3.device
-    dx = C.new_output(x3.shape, x3.dtype, dev) if need_x else _skeleton.absent(x3)
-    dw = C.new_output(weight.shape, weight.dtype, dev) if need_weight else _skeleton.absent(weight)
+    dx = C.new_output(x3.shape, x3.dtype, dev) if need_x else call_plan.absent(x3)
+    dw = C.new_output(weight.shape, weight.dtype, dev) if need_weight else call_plan.absent(weight)
     need_gates = need_gates and gates is not None
-    dg = C.new_output(gates.shape, gates.dtype, dev) if need_gates else _skeleton.absent(x3)
+    dg = C.new_output(gates.shape, gates.dtype, dev) if need_gates else call_plan.absent(x3)
     want = (dx.numel() > 0, dw.numel() > 0, dg.numel() > 0)
     if not any(want):
         return dx, dw, dg
@@ -313,7 +313,7 @@ def _run_backward(backend: str, dy, x3, weight, gates, rt: Route, G_out: int, ne
     enqueue = None if plan is None else plan.backward.get(want)  # prepared per wanted set of gradients
     if enqueue is None:
         dy_meta = torch.empty(dy.shape, dtype=dy.dtype, device="meta")  # the launch reads dy's metadata only
-        enqueue = _skeleton.backward_launch(OP, backend, plan, want, config,
+        enqueue = call_plan.backward_launch(OP, backend, plan, want, config,
                                             (_features, x3, weight, rt.S, G_out, gates is not None),
                                             x3, weight, gates, rt, dy_meta, *want, G_in=G_in, G_out=G_out)
     enqueue(x3, weight, gates, rt, dy, *(g if w else None for g, w in zip((dx, dw, dg), want)))
@@ -543,7 +543,7 @@ _reference_op.register_autograd(_reference_backward, setup_context=_reference_se
 
 # ---------------------------------------------------------------- call plans
 @dataclass(frozen=True, kw_only=True)
-class _Plan(_skeleton.Plan):
+class _Plan(call_plan.Plan):
     G_out: int
 
 
@@ -563,12 +563,12 @@ def _plan(x, route, weight, gates, out_groups, deterministic, backend) -> _Plan:
     G_in, G_out = _validate(x, route, weight, gates, out_groups, deterministic)
     x3 = _x3(x)
     features = (_features, x3, weight, route.S, G_out, deterministic)
-    backend, bucket = _skeleton.resolve(OP, backend, x.device, *features)
+    backend, bucket = call_plan.resolve(OP, backend, x.device, *features)
     # y as a meta tensor (only its metadata is read), of the route only its sizes
     y = torch.empty((x3.shape[0], G_out, weight.shape[2]), dtype=x3.dtype, device="meta")
     launch = (dict(G_in=G_in, G_out=G_out, deterministic=deterministic), (x3, weight, gates, route), (y,)) \
         if x.shape[0] * weight.shape[2] else None
-    return _skeleton.kernel_plan(_Plan, OP, backend, bucket, features, launch, G_out=G_out)
+    return call_plan.kernel_plan(_Plan, OP, backend, bucket, features, launch, G_out=G_out)
 
 
 __all__ = ["Route", "route", "expert_matmul"]
