@@ -18,7 +18,8 @@ from conftest import DEVICE, cuda_graph_capture, dtypes_here, kernel_backends
 from flashswitch.kernels_triton import expert_matmul_bwd as K
 from flashswitch.ops import expert_matmul as op
 from flashswitch.ops.expert_matmul import expert_matmul, route
-from flashswitch.reference.expert_matmul import ROUTINGS, random_problem, torch_expert_matmul
+from flashswitch.reference.expert_matmul import (ROUTINGS, random_problem, torch_expert_matmul,
+                                                  torch_expert_matmul_dweight_op, torch_expert_matmul_op)
 from flashswitch.testing import assert_close, conditioning_tol
 
 GPU = DEVICE == "cuda"
@@ -373,10 +374,10 @@ def test_reference_op_gradients():
     x, w, g = (p[k].detach().clone().requires_grad_() for k in ("x", "weight", "gates"))
     idx = p["expert_idx"].clone()
     idx[2, 1] = 3  # dropped
-    torch.library.opcheck(op._reference_op, (x, idx, w, g, 2))
-    torch.library.opcheck(op._reference_dweight_op, (x.detach(), idx, w.detach(), _dy(p).double(), g.detach()))
-    torch.autograd.gradcheck(lambda x, w, g: op._reference_op(x, idx, w, g, 2), (x, w, g))
-    torch.autograd.gradcheck(lambda x, w: op._reference_op(x, idx, w, None, 1), (x, w))
+    torch.library.opcheck(torch_expert_matmul_op, (x, idx, w, g, 2))
+    torch.library.opcheck(torch_expert_matmul_dweight_op, (x.detach(), idx, w.detach(), _dy(p).double(), g.detach()))
+    torch.autograd.gradcheck(lambda x, w, g: torch_expert_matmul_op(x, idx, w, g, 2), (x, w, g))
+    torch.autograd.gradcheck(lambda x, w: torch_expert_matmul_op(x, idx, w, None, 1), (x, w))
 
 def test_fake_tensor_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
