@@ -281,11 +281,12 @@ def test_opcheck():
         pytest.skip("no kernel backend here")
     p = random_problem(T=7, S=4, E=3, d_in=8, d_out=6, G_out=2, device=DEVICE)
     x3, w, g, rt = _op_args(p, backends[0], True)
-    torch.library.opcheck(op._expert_matmul_op, (x3, w, g, rt.token, rt.slot, rt.offsets, 4, 2, False, backends[0]))
+    torch.library.opcheck(op.OPDEF.op, (x3, w, g, rt.token, rt.slot, rt.offsets, 4, 2, False, backends[0]))
     dy = _dy(p)
     for need in ((True, True, True), (True, False, False), (False, True, True)):
-        args = (dy, x3.detach(), w.detach(), g.detach(), rt.token, rt.slot, rt.offsets, 4, 2, *need, backends[0])
-        torch.library.opcheck(op._expert_matmul_backward_op, args)
+        args = (dy, x3.detach(), w.detach(), g.detach(), rt.token, rt.slot, rt.offsets, 4, 2, False, *need,
+                backends[0])
+        torch.library.opcheck(op.OPDEF.backward_op, args)
 
 
 def test_torch_compile_fullgraph(backend):
@@ -388,8 +389,8 @@ def test_fake_tensor_shapes():
         g = torch.empty(7, 4)
         tok = torch.empty(28, dtype=torch.int32)
         off = torch.empty(6, dtype=torch.int64)
-        dx, dw, dg = op._expert_matmul_backward_op(dy, x3, w, g, tok, tok, off, 4, 2, True, True, True, "triton")
-        e = op._expert_matmul_backward_op(dy, x3, w, None, tok, tok, off, 4, 2, False, True, False, "triton")
+        dx, dw, dg = op.OPDEF.backward_op(dy, x3, w, g, tok, tok, off, 4, 2, False, True, True, True, "triton")
+        e = op.OPDEF.backward_op(dy, x3, w, None, tok, tok, off, 4, 2, False, False, True, False, "triton")
     assert (tuple(dx.shape), tuple(dw.shape), tuple(dg.shape)) == ((7, 2, 10), (5, 10, 3), (7, 4))
     assert e[0].numel() == 0 and tuple(e[1].shape) == (5, 10, 3) and e[2].numel() == 0
 
@@ -509,7 +510,8 @@ def test_dense_modes_sum_slots_sharing_an_expert(backend, dtype, mode, G_in, G_o
     rt = route(p["expert_idx"], p["num_experts"])
     x3 = op._x3(p["x"])
     for i, need in enumerate(((True, False, False), (False, True, False), (False, False, True))):
-        one = op._run_backward(backend, dy, x3, p["weight"], p["gates"], rt, G_out, *need, config=CONFIGS[mode])
+        one = op.OPDEF.backward(backend, (x3, p["weight"], p["gates"], rt, G_out, False), None, (dy,), need,
+                                config=CONFIGS[mode])
         assert torch.equal(one[i].view_as(got[i]), got[i])
 
 
@@ -524,8 +526,8 @@ def test_eager_autograd_path_equals_the_custom_op(backend, G_in, G_out, monkeypa
     p = random_problem(T=21, S=4, E=5, d_in=24, d_out=20, G_in=G_in, G_out=G_out, device=DEVICE, seed=11)
     dy = _dy(p)
     calls, prepared = [], []
-    real_op, real_prepare = op._expert_matmul_op, K.prepare
-    monkeypatch.setattr(op, "_expert_matmul_op", lambda *a: calls.append(1) or real_op(*a))
+    real_op, real_prepare = op.OPDEF.op, K.prepare
+    monkeypatch.setattr(op.OPDEF, "op", lambda *a: calls.append(1) or real_op(*a))
     monkeypatch.setattr(K, "prepare", lambda *a, **k: prepared.append(1) or real_prepare(*a, **k))
     fast = [_grads(backend, p, dy) for _ in range(3)]
     assert not calls and len(prepared) == 1

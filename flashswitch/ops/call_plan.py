@@ -1,5 +1,5 @@
 """What a call decides from its arguments' metadata, decided once per signature: the one place that plans
-an op's call.
+an op's call (ops/_opdef.py wires the ops around it).
 
 A public op call validates its arguments, buckets the problem, resolves the backend and looks its
 config up; on a small problem that host work costs more than the kernel. All of it depends only on
@@ -215,13 +215,15 @@ class Plan:
     kernels: bool  # the backend launches kernels (else the torch reference runs)
     config: Optional[Mapping] = None  # None: the reference, an empty problem, a traced call (looked up per call)
     enqueue: Optional[Callable] = None  # the forward launch of this signature: enqueue(inputs..., outputs...)
+    outputs: Optional[list] = None  # the outputs' (shape, dtype), fixed by the signature
     backward: dict = field(default_factory=dict, compare=False)  # the backward's config and prepared launches
+    opdef: object = field(default=None, compare=False, repr=False)  # the op's OpDef (ops/_opdef.py)
 
 
-def resolve(op: str, backend: str, device: torch.device, features: Callable, *args) -> tuple[str, Optional[dict]]:
-    """(the backend that runs this call, the forward's features or None): `auto` on a GPU picks by the
-    problem's bucket, computed once here and handed on to the config lookup."""
-    bucket = features(op, *args) if device.type == "cuda" else None
+def resolve(op: str, backend: str, device: torch.device, features: Callable) -> tuple[str, Optional[dict]]:
+    """(the backend that runs this call, the forward's bucket or None): `auto` on a GPU picks by the
+    problem's bucket (`features(op)`), computed once here and handed on to the config lookup."""
+    bucket = features(op) if device.type == "cuda" else None
     return resolve_backend(op, backend, device, bucket), bucket
 
 
@@ -237,32 +239,18 @@ def forward_launch(op: str, backend: str, config: Mapping, scalars: dict, inputs
     return functools.partial(backends.launcher(backend, op), **scalars, config=config)
 
 
-def kernel_plan(plan_type, op: str, backend: str, bucket: Optional[dict], features: tuple, launch: Optional[tuple],
-                **fields) -> Plan:
-    """A plan: on a kernel backend with a problem to launch (`launch` = (scalars, inputs, outputs), else
-    None) and outside tracing, its config (`features` = (function, *args), unless `bucket` holds them)
-    and its forward launch."""
-    kernels = backends.TABLE[backend].kernels
-    cfg = enqueue = None
-    if kernels and launch is not None and not torch.compiler.is_compiling():
-        cfg = config(op, backend, bucket or features[0](op, *features[1:]))
-        enqueue = forward_launch(op, backend, cfg, *launch)
-    return plan_type(backend=backend, kernels=kernels, config=cfg, enqueue=enqueue, **fields)
-
-
-def backward_launch(op: str, backend: str, plan: Optional[Plan], key, cfg: Optional[Mapping], features: tuple,
+def backward_launch(op: str, backend: str, plan: Optional[Plan], key, cfg: Optional[Mapping], features: Callable,
                     *args, **scalars) -> Callable:
     """enqueue(...) of the backward kernels that serve `backend` (backends.py), prepared from `args`'
     metadata: kept in `plan` under `key` (the layout of the upstream gradients) where a plan is given,
-    its config looked up once per plan (`features` = (function, *args)); else with `cfg` (None:
-    looked up)."""
+    its config looked up once per plan (bucket: `features(table)`); else with `cfg` (None: looked up)."""
     table, by = op + ".bwd", backends.TABLE[backend].gradients
     if by is None:
         raise ValueError(f"unknown kernel backend {backend!r}")
     if plan is not None:
         cfg = plan.backward.get("config")
     if cfg is None:
-        cfg = config(table, by, features[0](table, *features[1:]))
+        cfg = config(table, by, features(table))
         if plan is not None:
             plan.backward["config"] = cfg
     fast = {}
@@ -281,5 +269,4 @@ def absent(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["PlanCache", "Plan", "ENV_VARS", "absent", "backward_launch", "check_state", "clear_all", "complete_config",
-           "config", "forward_launch", "kernel_plan", "key_or_none", "optional_tensor_key", "resolve", "scalar_key",
-           "tensor_key"]
+           "config", "forward_launch", "key_or_none", "optional_tensor_key", "resolve", "scalar_key", "tensor_key"]

@@ -14,6 +14,7 @@ from flashswitch import _common as C
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_PAIRS = 2 ** 31 - 1
+ROUTE_ENV = "FLASHSWITCH_ROUTE"  # "device" (default): the extension's one-call sort; "torch": torch ops
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,9 +163,6 @@ def _trusted(rt: Route) -> Route:
     """A route whose values are right by construction (route(), or rebuilt inside the custom ops)."""
     object.__setattr__(rt, "_values_ok", True)
     return rt
-
-
-ROUTE_ENV = "FLASHSWITCH_ROUTE"  # "device" (default): the extension's one-call sort; "torch": torch ops
 
 
 def _device_route_wanted() -> bool:
