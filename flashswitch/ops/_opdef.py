@@ -28,7 +28,8 @@ Adding an op `toy` (tests/test_opdef.py follows these steps with a scaled add):
    `OPDEF.run(plan, backend, args)`, the reference where that returns None) and the tooling's names
    (`problem_features, problem_features_bwd, run_kernel, run_backward = OPDEF.tooling()`);
 4. one line in a table: its OpSpec in registry.OPS, which the tuner, the benchmarks and `flashswitch
-   check` read (its config spaces, autotune/space.py, are optional: without one a launcher gets {}).
+   check` read (a BackwardSpec beside it for the backward's tables; config spaces in autotune/space.py
+   are optional: without one a launcher gets {}).
 `OPDEF.remove()` takes its custom ops out of torch.library again.
 """
 from __future__ import annotations
