@@ -198,6 +198,21 @@ def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Kernel outputs come from here, so tests can poison them and catch unwritten elements (integer
     outputs: the dtype's minimum)."""
     if poison_outputs():
-        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
-        return torch.full(shape, fill, dtype=dtype, device=device)
+        return _poisoned(shape, dtype, device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def new_outputs(specs, device: torch.device) -> tuple:
+    """new_output of each (shape, dtype) of `specs` (None for a None), the setting read once."""
+    poison, out = poison_outputs(), []
+    for spec in specs:
+        if spec is None:
+            out.append(None)
+        else:
+            out.append(_poisoned(*spec, device) if poison else torch.empty(spec[0], dtype=spec[1], device=device))
+    return tuple(out)
+
+
+def _poisoned(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+    return torch.full(shape, fill, dtype=dtype, device=device)

@@ -233,7 +233,8 @@ def _shapes(problem: dict) -> str:
 
 def cmd_demo(args) -> int:
     import torch
-    from flashswitch import call_plan, registry
+    from flashswitch import registry
+    from flashswitch.ops import call_plan
     from flashswitch.testing import assert_close, rel_error, rule_dtype
 
     con = _console()

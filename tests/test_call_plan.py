@@ -1,4 +1,4 @@
-"""Per-signature call plans (flashswitch/call_plan.py): a cached call gives the uncached call's results,
+"""Per-signature call plans (flashswitch/ops/call_plan.py): a cached call gives the uncached call's results,
 a cache hit skips the checks, the backend choice and the config lookup but still rejects every bad
 argument, and a write to the tuned-config store or a changed environment setting starts the caches
 over."""
@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import DEVICE, dtypes_here, kernel_backends
 import flashswitch
 from flashswitch import _common as C
-from flashswitch import call_plan, registry
+from flashswitch import registry
 from flashswitch.autotune import schema, space, store
-from flashswitch.ops import chunk_summaries as cs_op, eva_attention as eva_op, expert_matmul as em_op
+from flashswitch.ops import call_plan, chunk_summaries as cs_op, eva_attention as eva_op, expert_matmul as em_op
 from flashswitch.testing import assert_close
 
 MODULES = {"chunk_summaries": cs_op, "eva_attention": eva_op, "expert_matmul": em_op}
@@ -55,14 +55,14 @@ def _call(op: str, p: dict, backend: str, **kw) -> tuple:
 
 
 def _count_plans(monkeypatch, module) -> list:
-    """Record every uncached plan of `module`'s op (one entry per call of its `_plan`)."""
-    made, real = [], module._plan
-    monkeypatch.setattr(module, "_plan", lambda *a: made.append(a) or real(*a))
+    """Record every uncached plan of `module`'s op (one entry per call of its OpDef's `make_plan`)."""
+    made, real = [], module.OPDEF.make_plan
+    monkeypatch.setattr(module.OPDEF, "make_plan", lambda *a: made.append(a) or real(*a))
     return made
 
 
 def _plans(module) -> list:
-    return list(module._PLANS._data.values())
+    return list(module.OPDEF.plans._data.values())
 
 
 @pytest.fixture(autouse=True)
@@ -84,9 +84,9 @@ def test_cached_call_matches_uncached(op, seed, backend):
     p = _problem(op, seed, dtype)
     call_plan.clear_all()
     first = _call(op, p, backend)
-    assert len(module._PLANS) == 1 and _plans(module)[0].backend == backend
+    assert len(module.OPDEF.plans) == 1 and _plans(module)[0].backend == backend
     second = _call(op, p, backend)
-    assert len(module._PLANS) == 1
+    assert len(module.OPDEF.plans) == 1
     call_plan.clear_all()
     third = _call(op, p, backend)
     for a, b, c in zip(first, second, third):
@@ -168,7 +168,7 @@ def test_chunk_summaries_hit_keeps_every_check():
     p = _problem("chunk_summaries")
     _call("chunk_summaries", p, backend, chunk_size=1)  # a plan whose chunk_size compares equal to True
     _call("chunk_summaries", p, backend, scale=0.5)
-    assert len(cs_op._PLANS) == 2
+    assert len(cs_op.OPDEF.plans) == 2
     bad = [
         (ValueError, "^scale", dict(scale=float("nan"))), (ValueError, "^scale", dict(scale=-0.5)),
         (TypeError, "^scale", dict(scale=True)), (TypeError, "^chunk_size", dict(chunk_size=True)),
@@ -181,7 +181,7 @@ def test_chunk_summaries_hit_keeps_every_check():
     for exc, match, kw in bad:
         be = kw.pop("backend_", backend)
         _expect(exc, match, lambda: _call("chunk_summaries", p, be, **kw))
-    assert len(cs_op._PLANS) == 2  # no bad call left a plan behind
+    assert len(cs_op.OPDEF.plans) == 2  # no bad call left a plan behind
 
 
 def test_eva_attention_hit_keeps_every_check():
@@ -189,7 +189,7 @@ def test_eva_attention_hit_keeps_every_check():
     p = _problem("eva_attention")
     _call("eva_attention", p, backend, chunk_size=1, window_size=8)
     _call("eva_attention", p, backend, q_offset=37, scale=0.25)
-    assert len(eva_op._PLANS) == 2
+    assert len(eva_op.OPDEF.plans) == 2
     q, k = p["q"], p["k"]
     bad = [
         (ValueError, "^scale", dict(q_offset=37, scale=float("nan"))),
@@ -208,7 +208,7 @@ def test_eva_attention_hit_keeps_every_check():
     ]
     for exc, match, kw in bad:
         _expect(exc, match, lambda: _call("eva_attention", p, backend, **kw))
-    assert len(eva_op._PLANS) == 2
+    assert len(eva_op.OPDEF.plans) == 2
 
 
 def test_expert_matmul_hit_keeps_every_check():
@@ -216,7 +216,7 @@ def test_expert_matmul_hit_keeps_every_check():
     p = _problem("expert_matmul")
     rt = flashswitch.route(p["expert_idx"], p["num_experts"])
     _call("expert_matmul", p, backend, route=rt, out_groups=1)
-    assert len(em_op._PLANS) == 1
+    assert len(em_op.OPDEF.plans) == 1
     # a hand-built route of the same sizes with bad values: checked on its first use, plan or no plan
     off = rt.offsets.clone()
     off[1] = off[2] + 1
@@ -411,10 +411,6 @@ def test_host_time_bench_without_gpu_writes_nothing_unasked(tmp_path):
 
 
 # ---------------------------------------------------------------- the eager autograd path
-CUSTOM_OPS = {"chunk_summaries": "_chunk_summaries_op", "eva_attention": "_eva_attention_op",
-              "expert_matmul": "_expert_matmul_op"}
-
-
 @pytest.mark.parametrize("op", list(MODULES))
 def test_eager_autograd_path_equals_the_custom_op(op, monkeypatch):
     """An eager call that needs gradients runs the op's torch.autograd.Function (the same kernels, the
@@ -432,8 +428,8 @@ def test_eager_autograd_path_equals_the_custom_op(op, monkeypatch):
         ups = [torch.randn(o.shape, generator=g).to(o) for o in outs]
         return outs, torch.autograd.grad(outs, list(leaves.values()), ups)
 
-    calls, real = [], getattr(module, CUSTOM_OPS[op])
-    monkeypatch.setattr(module, CUSTOM_OPS[op], lambda *a: calls.append(1) or real(*a))
+    calls, real = [], module.OPDEF.op
+    monkeypatch.setattr(module.OPDEF, "op", lambda *a: calls.append(1) or real(*a))
     outs, grads = run()
     assert not calls
     # a second call of the signature: its backward is prepared already (no config lookup, no prepare)
@@ -446,7 +442,7 @@ def test_eager_autograd_path_equals_the_custom_op(op, monkeypatch):
     for a, b in zip(outs + list(grads), again + list(grads_again)):
         assert torch.equal(a, b)
     monkeypatch.undo()
-    monkeypatch.setattr(module, CUSTOM_OPS[op], lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(module.OPDEF, "op", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(C, "eager_autograd_path", lambda *tensors: False)
     outs2, grads2 = run()
     assert calls

@@ -231,7 +231,7 @@ def test_outputs_are_fresh_and_typed(backend):
 def test_opcheck(backend):
     """The registered op's schema, fake (meta) implementation, autograd registration and AOT dispatch."""
     p = random_problem(1, 2, 10, 8, 4, device=DEVICE, omega="head", key_weight=True, valid=True)
-    omega = op._kernel_view(p["k"], 4, p["omega"])
+    omega = op._kernel_inputs(p["k"], p["v"], 4, p["omega"], None, None, None)[2]
     args = (p["k"], p["v"], 4, omega, p["key_weight"], p["valid"], 0.3, backend)
     torch.library.opcheck(torch.ops.flashswitch.chunk_summaries.default, args)
     args = (p["k"], p["v"], 3, None, None, None, 0.3, backend)

@@ -581,17 +581,17 @@ def _op_args(backend, dtype=F32, requires_grad=True):
 
 def test_opcheck_forward_with_grad(backend):
     """The forward op with inputs that require grad: schema, fake tensor, autograd registration, aot dispatch."""
-    torch.library.opcheck(op._eva_attention_op, _op_args(backend))
+    torch.library.opcheck(op.OPDEF.op, _op_args(backend))
 
 
 def test_opcheck_backward(backend):
     args = _op_args(backend, requires_grad=False)
     q, k, v, k_sum, v_sum, bias = args[:6]
-    o, lse = op._eva_attention_op(*args)
+    o, lse = op.OPDEF.op(*args)
     do, dlse = torch.randn_like(o), torch.randn_like(lse)
-    rest = args[6:]
-    torch.library.opcheck(op._eva_attention_backward_op, [q, k, v, k_sum, v_sum, bias, o, lse, do, dlse, *rest])
-    torch.library.opcheck(op._eva_attention_backward_op, [q, k, v, k_sum, v_sum, None, o, lse, do, None, *rest])
+    scalars, backend = args[6:-1], args[-1]
+    torch.library.opcheck(op.OPDEF.backward_op, [do, dlse, q, k, v, k_sum, v_sum, bias, *scalars, o, lse, backend])
+    torch.library.opcheck(op.OPDEF.backward_op, [do, None, q, k, v, k_sum, v_sum, None, *scalars, o, lse, backend])
 
 
 def test_compile_gradients_equal_eager(backend):

@@ -591,7 +591,7 @@ def test_custom_op_fake_and_schema(backend):
     p = random_problem(1, 2, 1, 4, 12, 16, 2, 4, summary_bias="tensor", device=DEVICE)
     args = (p["q"], p["k"], p["v"], p["k_sum"], p["v_sum"], p["summary_bias"], 2, 4, "block", 0.25, 8, False,
             backend)
-    torch.library.opcheck(op._eva_attention_op, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(op.OPDEF.op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_reference_backend_is_differentiable():

@@ -18,7 +18,8 @@ from conftest import DEVICE, cuda_graph_capture, dtypes_here, kernel_backends
 from flashswitch.kernels_triton import expert_matmul_bwd as K
 from flashswitch.ops import expert_matmul as op
 from flashswitch.ops.expert_matmul import expert_matmul, route
-from flashswitch.reference.expert_matmul import ROUTINGS, random_problem, torch_expert_matmul
+from flashswitch.reference.expert_matmul import (ROUTINGS, random_problem, torch_expert_matmul,
+                                                  torch_expert_matmul_dweight_op, torch_expert_matmul_op)
 from flashswitch.testing import assert_close, conditioning_tol
 
 GPU = DEVICE == "cuda"
@@ -280,11 +281,12 @@ def test_opcheck():
         pytest.skip("no kernel backend here")
     p = random_problem(T=7, S=4, E=3, d_in=8, d_out=6, G_out=2, device=DEVICE)
     x3, w, g, rt = _op_args(p, backends[0], True)
-    torch.library.opcheck(op._expert_matmul_op, (x3, w, g, rt.token, rt.slot, rt.offsets, 4, 2, False, backends[0]))
+    torch.library.opcheck(op.OPDEF.op, (x3, w, g, rt.token, rt.slot, rt.offsets, 4, 2, False, backends[0]))
     dy = _dy(p)
     for need in ((True, True, True), (True, False, False), (False, True, True)):
-        args = (dy, x3.detach(), w.detach(), g.detach(), rt.token, rt.slot, rt.offsets, 4, 2, *need, backends[0])
-        torch.library.opcheck(op._expert_matmul_backward_op, args)
+        args = (dy, x3.detach(), w.detach(), g.detach(), rt.token, rt.slot, rt.offsets, 4, 2, False, *need,
+                backends[0])
+        torch.library.opcheck(op.OPDEF.backward_op, args)
 
 
 def test_torch_compile_fullgraph(backend):
@@ -373,10 +375,10 @@ def test_reference_op_gradients():
     x, w, g = (p[k].detach().clone().requires_grad_() for k in ("x", "weight", "gates"))
     idx = p["expert_idx"].clone()
     idx[2, 1] = 3  # dropped
-    torch.library.opcheck(op._reference_op, (x, idx, w, g, 2))
-    torch.library.opcheck(op._reference_dweight_op, (x.detach(), idx, w.detach(), _dy(p).double(), g.detach()))
-    torch.autograd.gradcheck(lambda x, w, g: op._reference_op(x, idx, w, g, 2), (x, w, g))
-    torch.autograd.gradcheck(lambda x, w: op._reference_op(x, idx, w, None, 1), (x, w))
+    torch.library.opcheck(torch_expert_matmul_op, (x, idx, w, g, 2))
+    torch.library.opcheck(torch_expert_matmul_dweight_op, (x.detach(), idx, w.detach(), _dy(p).double(), g.detach()))
+    torch.autograd.gradcheck(lambda x, w, g: torch_expert_matmul_op(x, idx, w, g, 2), (x, w, g))
+    torch.autograd.gradcheck(lambda x, w: torch_expert_matmul_op(x, idx, w, None, 1), (x, w))
 
 def test_fake_tensor_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -387,8 +389,8 @@ def test_fake_tensor_shapes():
         g = torch.empty(7, 4)
         tok = torch.empty(28, dtype=torch.int32)
         off = torch.empty(6, dtype=torch.int64)
-        dx, dw, dg = op._expert_matmul_backward_op(dy, x3, w, g, tok, tok, off, 4, 2, True, True, True, "triton")
-        e = op._expert_matmul_backward_op(dy, x3, w, None, tok, tok, off, 4, 2, False, True, False, "triton")
+        dx, dw, dg = op.OPDEF.backward_op(dy, x3, w, g, tok, tok, off, 4, 2, False, True, True, True, "triton")
+        e = op.OPDEF.backward_op(dy, x3, w, None, tok, tok, off, 4, 2, False, False, True, False, "triton")
     assert (tuple(dx.shape), tuple(dw.shape), tuple(dg.shape)) == ((7, 2, 10), (5, 10, 3), (7, 4))
     assert e[0].numel() == 0 and tuple(e[1].shape) == (5, 10, 3) and e[2].numel() == 0
 
@@ -508,7 +510,8 @@ def test_dense_modes_sum_slots_sharing_an_expert(backend, dtype, mode, G_in, G_o
     rt = route(p["expert_idx"], p["num_experts"])
     x3 = op._x3(p["x"])
     for i, need in enumerate(((True, False, False), (False, True, False), (False, False, True))):
-        one = op._run_backward(backend, dy, x3, p["weight"], p["gates"], rt, G_out, *need, config=CONFIGS[mode])
+        one = op.OPDEF.backward(backend, (x3, p["weight"], p["gates"], rt, G_out, False), None, (dy,), need,
+                                config=CONFIGS[mode])
         assert torch.equal(one[i].view_as(got[i]), got[i])
 
 
@@ -517,13 +520,14 @@ def test_eager_autograd_path_equals_the_custom_op(backend, G_in, G_out, monkeypa
     """Eager calls that need gradients skip the custom op's dispatcher (a torch.autograd.Function over
     the same kernels, with the call plan's prepared backward): bitwise the gradients of the custom op
     path, the custom op never called, and the backward prepared once per signature and wanted set."""
-    from flashswitch import _common as Cm, call_plan
+    from flashswitch import _common as Cm
+    from flashswitch.ops import call_plan
     call_plan.clear_all()  # a plan of this signature from an earlier test would hide the first prepare
     p = random_problem(T=21, S=4, E=5, d_in=24, d_out=20, G_in=G_in, G_out=G_out, device=DEVICE, seed=11)
     dy = _dy(p)
     calls, prepared = [], []
-    real_op, real_prepare = op._expert_matmul_op, K.prepare
-    monkeypatch.setattr(op, "_expert_matmul_op", lambda *a: calls.append(1) or real_op(*a))
+    real_op, real_prepare = op.OPDEF.op, K.prepare
+    monkeypatch.setattr(op.OPDEF, "op", lambda *a: calls.append(1) or real_op(*a))
     monkeypatch.setattr(K, "prepare", lambda *a, **k: prepared.append(1) or real_prepare(*a, **k))
     fast = [_grads(backend, p, dy) for _ in range(3)]
     assert not calls and len(prepared) == 1

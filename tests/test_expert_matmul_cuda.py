@@ -15,7 +15,7 @@ import torch
 
 from conftest import DEVICE
 from cuda_helpers import extension_op, nvrtc_compile
-from flashswitch.ops import expert_matmul as op
+from flashswitch.ops import expert_matmul as op, routing
 from flashswitch.ops.expert_matmul import expert_matmul, route
 from flashswitch.reference.expert_matmul import numpy_expert_matmul, random_problem, torch_expert_matmul
 from flashswitch.testing import assert_close
@@ -270,7 +270,7 @@ def test_device_route_matches_torch_route(T, S, E, lo, hi, dtype):
     g = torch.Generator(device="cuda").manual_seed(T + S + E)
     idx = torch.randint(lo, hi, (T, S), generator=g, device="cuda", dtype=torch.int64).to(dtype)
     token, slot, offsets = fwd(idx, E)
-    t_ref, s_ref, o_ref = op._torch_route(idx, E, clamp=True)
+    t_ref, s_ref, o_ref = routing._torch_route(idx, E, clamp=True)
     assert token.dtype == slot.dtype == torch.int32 and offsets.dtype == torch.int64
     assert torch.equal(offsets, o_ref)
     assert torch.equal(token, t_ref) and torch.equal(slot, s_ref)
@@ -288,7 +288,7 @@ def test_device_route_strided_input_and_errors():
     fwd = _route_op()
     idx = torch.randint(0, 5, (64, 6), device="cuda", dtype=torch.int32)
     view = idx[:, ::2]  # not contiguous
-    assert all(torch.equal(a, b) for a, b in zip(fwd(view, 5), op._torch_route(view.contiguous(), 5)))
+    assert all(torch.equal(a, b) for a, b in zip(fwd(view, 5), routing._torch_route(view.contiguous(), 5)))
     with pytest.raises(RuntimeError, match="expert_idx has dtype"):
         fwd(idx.float(), 5)
     with pytest.raises(RuntimeError, match="must be a CUDA tensor|'CPU' backend"):
@@ -304,7 +304,7 @@ def test_route_uses_the_device_op_without_sync(monkeypatch):
     """By default (FLASHSWITCH_ROUTE unset) route() on CUDA is the extension's sort, with no host sync."""
     _route_op()
     monkeypatch.delenv(op.ROUTE_ENV, raising=False)
-    assert op._device_route_wanted()
+    assert routing._device_route_wanted()
     idx = torch.randint(0, 16, (1024, 8), device="cuda", dtype=torch.int64)
     route(idx, 16, check=False)  # load outside the checked region
     torch.cuda.synchronize()
@@ -313,7 +313,7 @@ def test_route_uses_the_device_op_without_sync(monkeypatch):
         rt = route(idx, 16, check=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    t_ref, s_ref, o_ref = op._torch_route(idx, 16)
+    t_ref, s_ref, o_ref = routing._torch_route(idx, 16)
     assert torch.equal(rt.token, t_ref) and torch.equal(rt.slot, s_ref) and torch.equal(rt.offsets, o_ref)
 
 
@@ -322,7 +322,7 @@ def test_torch_route_switch(monkeypatch):
     idx = torch.randint(0, 5, (33, 3), device=DEVICE)
     monkeypatch.setenv(op.ROUTE_ENV, "torch")
     rt = route(idx, 5, check=False)
-    t_ref, s_ref, o_ref = op._torch_route(idx, 5)
+    t_ref, s_ref, o_ref = routing._torch_route(idx, 5)
     assert torch.equal(rt.token, t_ref) and torch.equal(rt.slot, s_ref) and torch.equal(rt.offsets, o_ref)
 
 

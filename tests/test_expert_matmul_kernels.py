@@ -372,7 +372,7 @@ def test_opcheck():
     p = random_problem(T=9, S=4, E=3, d_in=8, d_out=6, G_out=2, device=DEVICE)
     rt = route(p["expert_idx"], 3)
     args = (p["x"].unsqueeze(1), p["weight"], p["gates"], rt.token, rt.slot, rt.offsets, 4, 2, False, backends[0])
-    torch.library.opcheck(op._expert_matmul_op, args)
+    torch.library.opcheck(op.OPDEF.op, args)
 
 
 def test_fake_tensor_shapes():
@@ -382,7 +382,7 @@ def test_fake_tensor_shapes():
         w = torch.empty(5, 10, 3)
         tok = torch.empty(28, dtype=torch.int32)
         off = torch.empty(6, dtype=torch.int64)
-        y = op._expert_matmul_op(x3, w, None, tok, tok, off, 4, 2, False, "triton")
+        y = op.OPDEF.op(x3, w, None, tok, tok, off, 4, 2, False, "triton")
     assert tuple(y.shape) == (7, 2, 3) and y.dtype == torch.float32
 
 

@@ -13,9 +13,9 @@ from hypothesis import given, settings, strategies as st
 from conftest import DEVICE
 import flashswitch
 from flashswitch import _common as C
-from flashswitch import backends, call_plan, registry
+from flashswitch import backends, registry
 from flashswitch.kernels_triton import kernel_call
-from flashswitch.ops import chunk_summaries as cs_op, eva_attention as eva_op, expert_matmul as em_op
+from flashswitch.ops import call_plan, chunk_summaries as cs_op, eva_attention as eva_op, expert_matmul as em_op
 from flashswitch.testing import assert_close
 
 GPU = DEVICE == "cuda"
@@ -70,7 +70,7 @@ def _kernel_args(op: str, p: dict, extra):
         k, C_ = p["k"], p["chunk_size"]
         B, H, N, D = k.shape
         Nc = -(-N // C_)
-        inputs = (k, p["v"], cs_op._kernel_view(k, C_, p.get("omega")), p.get("key_weight"), p.get("valid"))
+        inputs = cs_op._kernel_inputs(k, p["v"], C_, p.get("omega"), p.get("key_weight"), p.get("valid"), None)
         outs = [((B, H, Nc, D), k.dtype), ((B, H, Nc, D), k.dtype), ((B, H, Nc), torch.float32)]
         feats = cs_op.problem_features(**p)
         kw = dict(chunk_size=C_, scale=C.check_scale(p.get("scale"), D))
@@ -304,7 +304,7 @@ def test_prepared_launch_lives_and_dies_with_the_plan(op, monkeypatch):
                                           deterministic=True, backend=backend),)
 
     def plan():
-        (only,) = module._PLANS._data.values()
+        (only,) = module.OPDEF.plans._data.values()
         return only
 
     first = call()

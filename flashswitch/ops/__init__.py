@@ -1,1 +1,2 @@
-"""One module per op: argument checks, backend choice, torch.library registration."""
+"""One module per op, declaring its OpDef (_opdef.py: the custom ops, autograd and dispatch built from it);
+call_plan.py: what a call decides from its arguments' metadata, once per signature."""

@@ -1,7 +1,10 @@
 """Op 3 references: `numpy_expert_matmul` (fp64 oracle, one (token, slot) pair at a time) and
-`torch_expert_matmul` (vectorized gather -> per-expert GEMM -> scatter, differentiable), plus
-`random_problem` and `paper_shapes` used by tests, check, bench and tune."""
+`torch_expert_matmul` (vectorized gather -> per-expert GEMM -> scatter, differentiable), the same as one
+custom op for traced calls (`torch_expert_matmul_op`), plus `random_problem` and `paper_shapes` used by
+tests, check, bench and tune."""
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 import torch
@@ -115,6 +118,59 @@ def torch_expert_matmul_dweight(x, expert_idx, dy, num_experts: int, *, gates=No
         if counts[e]:
             dw[e] = rows[sel].T @ dout[sel]
     return dw
+
+
+# ---------------------------------------------------------------- the reference, traced
+# A traced graph cannot hold the reference's per-expert split (its sizes are the ids' counts, read on the
+# host), so a traced call on the reference backend (ops/expert_matmul.py) runs it as one opaque op.
+# Eager calls run the torch code itself, which torch.func and forward-mode AD differentiate; the op's
+# backward is written with the op and a d weight op of the same kind.
+@torch.library.custom_op("flashswitch::expert_matmul_reference", mutates_args=())
+def torch_expert_matmul_op(x: torch.Tensor, expert_idx: torch.Tensor, weight: torch.Tensor,
+                           gates: Optional[torch.Tensor], G_out: int) -> torch.Tensor:
+    return torch_expert_matmul(x, expert_idx, weight, gates=gates, out_groups=G_out, check=False)
+
+
+@torch_expert_matmul_op.register_fake
+def _(x, expert_idx, weight, gates, G_out):
+    return x.new_empty((x.shape[0], G_out, weight.shape[2]))
+
+
+@torch.library.custom_op("flashswitch::expert_matmul_reference_dweight", mutates_args=())
+def torch_expert_matmul_dweight_op(x: torch.Tensor, expert_idx: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor,
+                                   gates: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch_expert_matmul_dweight(x, expert_idx, dy, weight.shape[0], gates=gates).to(weight.dtype)
+
+
+@torch_expert_matmul_dweight_op.register_fake
+def _(x, expert_idx, weight, dy, gates):
+    return weight.new_empty(weight.shape)
+
+
+def _op_setup_context(ctx, inputs, output):
+    x, expert_idx, weight, gates, G_out = inputs
+    ctx.save_for_backward(x, expert_idx, weight, gates)
+
+
+def _op_backward(ctx, dy):
+    x, expert_idx, weight, gates = ctx.saved_tensors
+    need_x, _, need_weight, need_gates = ctx.needs_input_grad[:4]
+    acc = _acc(x.dtype)  # the reference's math: fp32, fp64 for fp64 x
+    S = expert_idx.shape[1]
+    dx = dw = dg = None
+    if need_x:  # y is linear in x: dx is the op over dy and the transposed experts, summed per input group
+        G_in = 1 if x.dim() == 2 else x.shape[1]
+        dx = torch_expert_matmul_op(dy.to(acc), expert_idx, weight.transpose(1, 2), gates, G_in).view(x.shape)
+        dx = dx.to(x.dtype)
+    if need_weight:
+        dw = torch_expert_matmul_dweight_op(x, expert_idx, weight, dy, gates)
+    if need_gates and gates is not None:  # dgates[t, s] = <x_row(t, s) @ W[id], dy[t, s // (S / G_out)]>
+        pairs = torch_expert_matmul_op(x.to(acc), expert_idx, weight, None, S)  # ungated, one output group per slot
+        dg = (pairs * dy.to(acc).repeat_interleave(S // dy.shape[1], 1)).sum(-1).to(gates.dtype)
+    return dx, None, dw, dg, None
+
+
+torch_expert_matmul_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 # ---------------------------------------------------------------- test problems

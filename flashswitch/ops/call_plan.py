@@ -1,4 +1,5 @@
-"""Per-signature call plans: what an op call decides from its arguments' metadata, decided once.
+"""What a call decides from its arguments' metadata, decided once per signature: the one place that plans
+an op's call (ops/_opdef.py wires the ops around it).
 
 A public op call validates its arguments, buckets the problem, resolves the backend and looks its
 config up; on a small problem that host work costs more than the kernel. All of it depends only on
@@ -11,15 +12,19 @@ environment setting in ENV_VARS changes or the tuned-config store changes (`stor
 process at once, a file written by another process within a second).
 
 `config(table, backend, feats)` is the one config lookup of a kernel call: tuned or default, with
-the defaults merged into an incomplete tuned config and the schema checked, read-only.
+the defaults merged into an incomplete tuned config and the schema checked, read-only. A `Plan`
+holds the answers and the forward launch (`forward_launch`); the backward launches it prepares on
+first use (`backward_launch`). Nothing here runs on a cached call's fast path but `PlanCache.get`.
 """
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Hashable, Mapping, Optional
+from typing import Callable, Hashable, Mapping, Optional
 
 import torch
 
@@ -202,5 +207,66 @@ def config(table: str, backend: str, feats: dict) -> Mapping:
     return cfg
 
 
-__all__ = ["PlanCache", "ENV_VARS", "check_state", "clear_all", "complete_config", "config", "key_or_none",
-           "optional_tensor_key", "scalar_key", "tensor_key"]
+# ---------------------------------------------------------------- plans and launches
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What a call decides from its arguments' metadata; an op's plan adds its normalized arguments."""
+    backend: str
+    kernels: bool  # the backend launches kernels (else the torch reference runs)
+    config: Optional[Mapping] = None  # None: the reference, an empty problem, a traced call (looked up per call)
+    enqueue: Optional[Callable] = None  # the forward launch of this signature: enqueue(inputs..., outputs...)
+    outputs: Optional[list] = None  # the outputs' (shape, dtype), fixed by the signature
+    backward: dict = field(default_factory=dict, compare=False)  # the backward's config and prepared launches
+    opdef: object = field(default=None, compare=False, repr=False)  # the op's OpDef (ops/_opdef.py)
+
+
+def resolve(op: str, backend: str, device: torch.device, features: Callable) -> tuple[str, Optional[dict]]:
+    """(the backend that runs this call, the forward's bucket or None): `auto` on a GPU picks by the
+    problem's bucket (`features(op)`), computed once here and handed on to the config lookup."""
+    bucket = features(op) if device.type == "cuda" else None
+    return resolve_backend(op, backend, device, bucket), bucket
+
+
+def forward_launch(op: str, backend: str, config: Mapping, scalars: dict, inputs: Optional[tuple] = None,
+                   outputs: Optional[tuple] = None) -> Callable:
+    """enqueue(inputs..., outputs...) of one signature: the backend's launch prepared from the arguments'
+    metadata where it has one and `inputs` are given (outputs may be meta tensors), else its launcher with
+    the scalars and config bound."""
+    if inputs is not None and backends.TABLE[backend].prepare:
+        from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
+        return backends.launcher(backend, op, "prepare")(*inputs, *outputs, **scalars, config=config,
+                                                           fast=fast_launch_wanted(inputs[0].device))
+    return functools.partial(backends.launcher(backend, op), **scalars, config=config)
+
+
+def backward_launch(op: str, backend: str, plan: Optional[Plan], key, cfg: Optional[Mapping], features: Callable,
+                    *args, **scalars) -> Callable:
+    """enqueue(...) of the backward kernels that serve `backend` (backends.py), prepared from `args`'
+    metadata: kept in `plan` under `key` (the layout of the upstream gradients) where a plan is given,
+    its config looked up once per plan (bucket: `features(table)`); else with `cfg` (None: looked up)."""
+    table, by = op + ".bwd", backends.TABLE[backend].gradients
+    if by is None:
+        raise ValueError(f"unknown kernel backend {backend!r}")
+    if plan is not None:
+        cfg = plan.backward.get("config")
+    if cfg is None:
+        cfg = config(table, by, features(table))
+        if plan is not None:
+            plan.backward["config"] = cfg
+    fast = {}
+    if plan is not None:
+        from flashswitch.kernels_triton.kernel_call import fast_launch_wanted
+        fast = {"fast": fast_launch_wanted(args[0].device)}
+    enqueue = backends.launcher(by, op, "backward")(*args, **scalars, config=cfg, **fast)
+    if plan is not None:
+        plan.backward[key] = enqueue
+    return enqueue
+
+
+def absent(t: torch.Tensor) -> torch.Tensor:
+    """A custom op returns tensors only: an empty one stands for the gradient of an absent input."""
+    return t.new_empty(0)
+
+
+__all__ = ["PlanCache", "Plan", "ENV_VARS", "absent", "backward_launch", "check_state", "clear_all", "complete_config",
+           "config", "forward_launch", "key_or_none", "optional_tensor_key", "resolve", "scalar_key", "tensor_key"]
