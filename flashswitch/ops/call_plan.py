@@ -263,10 +263,5 @@ def backward_launch(op: str, backend: str, plan: Optional[Plan], key, cfg: Optio
     return enqueue
 
 
-def absent(t: torch.Tensor) -> torch.Tensor:
-    """A custom op returns tensors only: an empty one stands for the gradient of an absent input."""
-    return t.new_empty(0)
-
-
-__all__ = ["PlanCache", "Plan", "ENV_VARS", "absent", "backward_launch", "check_state", "clear_all", "complete_config",
+__all__ = ["PlanCache", "Plan", "ENV_VARS", "backward_launch", "check_state", "clear_all", "complete_config",
            "config", "forward_launch", "key_or_none", "optional_tensor_key", "resolve", "scalar_key", "tensor_key"]
