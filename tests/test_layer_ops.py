@@ -232,3 +232,55 @@ def test_routers_take_the_top_k_kernel(monkeypatch):
     assert torch.equal(idx, want)
     gates.sum().backward()
     assert logits.grad is not None and torch.count_nonzero(logits.grad).item() == 6 * 3 * 2
+
+
+def test_launches_are_kept_per_metadata():
+    """kernel_call.launch keeps one prepared launch per (kernel, device, dtypes, grid, arguments): a
+    second call with new values and the same metadata reuses it and computes on its own inputs; another
+    shape or dtype gets its own."""
+    from flashswitch.kernels_triton import kernel_call
+    kernel_call._LAUNCHES.clear()
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, generator=g).to(DEVICE)
+    norm = RMSNorm(40, 1e-5, device=DEVICE)
+    norm.weight.data.copy_(w)
+    outs = []
+    for shape in ((3, 40), (3, 40), (5, 40)):
+        x, r = (torch.randn(*shape, generator=g).to(DEVICE) for _ in range(2))
+        s, y = layer_ops.add_rms_norm(x, r, w, 1e-5)
+        torch.testing.assert_close(s, x + r, rtol=0, atol=0)
+        torch.testing.assert_close(y, norm(x + r), rtol=1e-5, atol=1e-5)
+        outs.append(len(kernel_call._LAUNCHES))
+    assert outs == [1, 1, 2]
+
+
+@pytest.mark.gpu
+def test_layer_kernels_launch_directly(monkeypatch):
+    """On the GPU the layers' kernels launch without JITFunction.run from the second call of a shape on,
+    bitwise as Triton's own launch (FLASHSWITCH_FAST_LAUNCH=0)."""
+    from triton.runtime import jit
+    from flashswitch.kernels_triton import kernel_call
+    g = torch.Generator().manual_seed(6)
+    x, r = (torch.randn(7, 576, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    gate, up = (torch.randn(7, 1536, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    q = torch.randn(1, 7, 9, 64, generator=g).to(DEVICE, torch.bfloat16).transpose(1, 2)
+    k = torch.randn(1, 7, 3, 64, generator=g).to(DEVICE, torch.bfloat16).transpose(1, 2)
+    w = torch.randn(576, generator=g).to(DEVICE, torch.bfloat16)
+    inv_freq = Rotary(64, 100000.0, device=DEVICE).inv_freq
+
+    def calls():
+        return (*layer_ops.add_rms_norm(x, r, w, 1e-5), layer_ops.silu_mul(gate, up),
+                *layer_ops.rotary_qk(q, k, inv_freq))
+
+    monkeypatch.setenv(kernel_call.FAST_LAUNCH_ENV, "0")
+    kernel_call._LAUNCHES.clear()
+    want = calls()
+    monkeypatch.delenv(kernel_call.FAST_LAUNCH_ENV)
+    kernel_call._LAUNCHES.clear()
+    calls()
+    runs, real = [], jit.JITFunction.run
+    monkeypatch.setattr(jit.JITFunction, "run", lambda self, *a, **kw: runs.append(self) or real(self, *a, **kw))
+    got = calls()
+    assert not runs, [getattr(f, "__name__", f) for f in runs]
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from flashswitch._common import new_output, next_pow2
+from flashswitch.kernels_triton.kernel_call import launch
 from flashswitch.kernels_triton.chunk_summaries import (LOG2E, _key_logits, _online_softmax, _safe_reciprocal,
                                                         _value_logits)
 
@@ -265,12 +266,12 @@ def prefill(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, k_prompt: t
     BLOCK_D = next_pow2(D)
     BLOCK_J = max(1, min(next_pow2(Nc + R), MAX_TILE // BLOCK_D))
     pl = lengths if prompt_lengths is None else prompt_lengths
-    _prefill_kernel[(B * Hkv, triton.cdiv(Nc + R, BLOCK_J))](
-        k, v, lengths, k_prompt, v_prompt, k_sum, v_sum, pl, P, Hkv, Nc, S, R, D,
-        k.stride(0), k.stride(1), k.stride(2), *k_prompt.stride()[:3], *v_prompt.stride()[:3],
-        *k_sum.stride()[:3], *v_sum.stride()[:3],
-        HAS_LENGTHS=prompt_lengths is not None, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D,
-        num_warps=4 if BLOCK_J * BLOCK_D >= 1024 else 1)
+    launch(_prefill_kernel, (B * Hkv, triton.cdiv(Nc + R, BLOCK_J)),
+           (k, v, lengths, k_prompt, v_prompt, k_sum, v_sum, pl),
+           (P, Hkv, Nc, S, R, D, *k.stride()[:3], *k_prompt.stride()[:3], *v_prompt.stride()[:3],
+            *k_sum.stride()[:3], *v_sum.stride()[:3]),
+           dict(HAS_LENGTHS=prompt_lengths is not None, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D),
+           {"num_warps": 4 if BLOCK_J * BLOCK_D >= 1024 else 1})
 
 
 def _check_cache(k, v, bias, lengths):
@@ -291,10 +292,9 @@ def gather_chunk(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *, chu
         return ck, cv, t
     BLOCK_D = next_pow2(D)
     BLOCK_J = min(next_pow2(Cs), max(1, MAX_TILE // BLOCK_D))
-    _gather_chunk_kernel[(B * Hkv,)](
-        k, v, lengths, ck, cv, t, Hkv, num_summaries, ring_size, D,
-        k.stride(0), k.stride(1), k.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
-        CHUNK=Cs, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D, num_warps=4 if BLOCK_J * BLOCK_D >= 1024 else 1)
+    launch(_gather_chunk_kernel, (B * Hkv,), (k, v, lengths, ck, cv, t),
+           (Hkv, int(num_summaries), int(ring_size), D, *k.stride()[:3], *ck.stride()[:3]),
+           dict(CHUNK=Cs, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D), {"num_warps": 4 if BLOCK_J * BLOCK_D >= 1024 else 1})
     return ck, cv, t
 
 
@@ -324,14 +324,12 @@ def append(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, lengths: torch.
     if shared is None:
         return
     B, Hkv, D, S, R, ub, sub, BLOCK_D, BLOCK_N = shared
-    _append_kernel[(B * Hkv, triton.cdiv(S + R, BLOCK_N))](
-        k, v, bias, lengths, t, k_new, v_new, k_sum, v_sum, ub,
-        Hkv, S, R, D, int(window_size), float(on_bias),
-        k.stride(0), k.stride(1), k.stride(2), bias.stride(0), bias.stride(1),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        k_sum.stride(0), k_sum.stride(1), v_sum.stride(0), v_sum.stride(1), *sub,
-        CHUNK=int(chunk_size), SLIDING=window == "sliding", USER_BIAS=user_bias is not None,
-        BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=4)
+    launch(_append_kernel, (B * Hkv, triton.cdiv(S + R, BLOCK_N)),
+           (k, v, bias, lengths, t, k_new, v_new, k_sum, v_sum, ub),
+           (Hkv, S, R, D, int(window_size), float(on_bias), *k.stride()[:3], *bias.stride()[:2],
+            *k_new.stride()[:2], *v_new.stride()[:2], *k_sum.stride()[:2], *v_sum.stride()[:2], *sub),
+           dict(CHUNK=int(chunk_size), SLIDING=window == "sliding", USER_BIAS=user_bias is not None,
+                BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N), {"num_warps": 4})
 
 
 def step(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, lengths: torch.Tensor, counter: torch.Tensor,
@@ -348,16 +346,14 @@ def step(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, lengths: torch.Te
     n_blocks = triton.cdiv(S + R, BLOCK_N)
     om = bias if omega is None else omega
     kw = bias if key_weight is None else key_weight
-    _step_kernel[(B * Hkv, n_blocks)](
-        k, v, bias, lengths, counter, k_new, v_new, om, kw, ub,
-        Hkv, S, R, D, int(window_size), float(on_bias), float(scale) * LOG2E, Hkv * n_blocks,
-        k.stride(0), k.stride(1), k.stride(2), bias.stride(0), bias.stride(1),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        *((0, 0) if omega is None else omega.stride()), *((0, 0) if key_weight is None else key_weight.stride()),
-        *sub,
-        CHUNK=Cs, SLIDING=window == "sliding", USER_BIAS=user_bias is not None, HAS_OMEGA=omega is not None,
-        HAS_KEY_WEIGHT=key_weight is not None, BLOCK_J=min(next_pow2(Cs), max(1, MAX_TILE // BLOCK_D)),
-        BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=4)
+    launch(_step_kernel, (B * Hkv, n_blocks), (k, v, bias, lengths, counter, k_new, v_new, om, kw, ub),
+           (Hkv, S, R, D, int(window_size), float(on_bias), float(scale) * LOG2E, Hkv * n_blocks,
+            *k.stride()[:3], *bias.stride()[:2], *k_new.stride()[:2], *v_new.stride()[:2],
+            *((0, 0) if omega is None else omega.stride()), *((0, 0) if key_weight is None else key_weight.stride()),
+            *sub),
+           dict(CHUNK=Cs, SLIDING=window == "sliding", USER_BIAS=user_bias is not None, HAS_OMEGA=omega is not None,
+                HAS_KEY_WEIGHT=key_weight is not None, BLOCK_J=min(next_pow2(Cs), max(1, MAX_TILE // BLOCK_D)),
+                BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N), {"num_warps": 4})
 
 
 __all__ = ["gather_chunk", "append", "step", "prefill"]

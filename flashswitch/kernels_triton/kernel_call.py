@@ -83,6 +83,26 @@ class KernelCall:
             self._direct[key] = compiled[self.grid]
 
 
+_LAUNCHES: dict = {}  # launch(): the KernelCall of each (kernel, device, dtypes, grid, scalars, constexprs, options)
+_LAUNCHES_MAX = 4096
+
+
+def launch(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: Mapping, options: Mapping) -> None:
+    """`kernel[grid](*tensors, *scalars, **constexprs, **options)` through a KernelCall kept for the next
+    launch with the same metadata: for launchers without a call plan (the layers' fused kernels, the
+    cache's), whose per-call host cost would otherwise be JITFunction.run's (tens of us). The key holds
+    the tensors' device and dtypes (a compiled kernel is specialized on them) and every other argument."""
+    dev = tensors[0].device
+    key = (kernel, dev, *(t.dtype for t in tensors), grid, scalars, *constexprs.items(), *options.items())
+    call = _LAUNCHES.get(key)
+    if call is None:
+        if len(_LAUNCHES) >= _LAUNCHES_MAX:  # shapes that keep changing: start again rather than grow
+            _LAUNCHES.clear()
+        call = _LAUNCHES[key] = KernelCall(kernel, grid, len(tensors), scalars, constexprs, options,
+                                             fast=fast_launch_wanted(dev))
+    call(*tensors)
+
+
 _normal_launches = 0  # launches of fast KernelCalls that went through JITFunction.run (first ones, fallbacks)
 
 
@@ -102,4 +122,4 @@ def direct_launches(call: KernelCall) -> int:
     return sum(1 for d in call._direct.values() if d)
 
 
-__all__ = ["FAST_LAUNCH_ENV", "KernelCall", "direct_launches", "fast_launch_wanted", "normal_launches"]
+__all__ = ["FAST_LAUNCH_ENV", "KernelCall", "direct_launches", "fast_launch_wanted", "launch", "normal_launches"]

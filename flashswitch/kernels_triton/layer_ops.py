@@ -17,6 +17,9 @@ import triton
 import triton.language as tl
 
 from flashswitch._common import new_output, next_pow2, poison_outputs
+from flashswitch.kernels_triton.kernel_call import launch
+
+_WARPS4, _WARPS8 = {"num_warps": 4}, {"num_warps": 8}
 
 
 @triton.jit
@@ -77,11 +80,9 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, offsets=
     half = D // 2
     block_f = next_pow2(max(half, 1))
     block_h = max(1, min(next_pow2(H + Hkv), 4096 // block_f))
-    _rotary_kernel[(B * n,)](
-        q, k, qo, ko, inv_freq if offsets is None else offsets, inv_freq, H, Hkv, n,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
-        HAS_OFF=offsets is not None, HALF=half, BLOCK_H=block_h, BLOCK_F=block_f, num_warps=4)
+    launch(_rotary_kernel, (B * n,), (q, k, qo, ko, inv_freq if offsets is None else offsets, inv_freq),
+           (H, Hkv, n, *q.stride()[:3], *k.stride()[:3], *qo.stride()[:3], *ko.stride()[:3]),
+           dict(HAS_OFF=offsets is not None, HALF=half, BLOCK_H=block_h, BLOCK_F=block_f), _WARPS4)
     return qo, ko
 
 
@@ -118,9 +119,9 @@ def add_rms_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
     y = new_output(x2.shape, x.dtype, x.device)
     s = x2 if residual is None else new_output(x2.shape, x.dtype, x.device)
     if x2.shape[0] and d:
-        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, s, y, d, x2.stride(0), r2.stride(0), s.stride(0),
-                                         y.stride(0), float(eps), HAS_R=residual is not None,
-                                         BLOCK=next_pow2(d), num_warps=4 if d <= 2048 else 8)
+        launch(_rms_norm_kernel, (x2.shape[0],), (x2, r2, weight, s, y),
+               (d, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), float(eps)),
+               dict(HAS_R=residual is not None, BLOCK=next_pow2(d)), _WARPS4 if d <= 2048 else _WARPS8)
     return s.view(x.shape), y.view(x.shape)
 
 
@@ -147,8 +148,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = new_output(g2.shape, gate.dtype, gate.device)
     block = min(next_pow2(max(d, 1)), 1024)
     if g2.shape[0] and d:
-        _silu_mul_kernel[(g2.shape[0], -(-d // block))](g2, u2, out, d, g2.stride(0), u2.stride(0), out.stride(0),
-                                                       BLOCK=block, num_warps=4)
+        launch(_silu_mul_kernel, (g2.shape[0], -(-d // block)), (g2, u2, out),
+               (d, g2.stride(0), u2.stride(0), out.stride(0)), dict(BLOCK=block), _WARPS4)
     return out.view(gate.shape)
 
 
@@ -187,10 +188,10 @@ def _rotary_packed(t: torch.Tensor, inv_freq: torch.Tensor, n_rot: int, sign: fl
     R = rows.shape[2]
     if B * N * R and D:
         block_d = next_pow2(D)
-        _rotary_packed_kernel[(B * N,)](rows, o3, inv_freq, N, R, rows.stride(0), rows.stride(1), rows.stride(2),
-                                        o3.stride(0), o3.stride(1), o3.stride(2), float(sign), D=D, HALF=n_rot // 2,
-                                        BLOCK_R=max(1, min(next_pow2(R), 4096 // block_d)), BLOCK_D=block_d,
-                                        num_warps=4)
+        launch(_rotary_packed_kernel, (B * N,), (rows, o3, inv_freq),
+               (N, R, *rows.stride()[:3], *o3.stride()[:3], float(sign)),
+               dict(D=D, HALF=n_rot // 2, BLOCK_R=max(1, min(next_pow2(R), 4096 // block_d)), BLOCK_D=block_d),
+               _WARPS4)
     return out
 
 
@@ -242,6 +243,6 @@ def top_k_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
     block_e = next_pow2(max(E, 1))
     block_r = max(1, min(256, 4096 // block_e))
     if s2.shape[0] and k:
-        _top_k_rows_kernel[(-(-s2.shape[0] // block_r),)](s2, idx, s2.shape[0], E, s2.stride(0), K=k,
-                                                           BLOCK_R=block_r, BLOCK_E=block_e, num_warps=4)
+        launch(_top_k_rows_kernel, (-(-s2.shape[0] // block_r),), (s2, idx), (s2.shape[0], E, s2.stride(0)),
+               dict(K=k, BLOCK_R=block_r, BLOCK_E=block_e), _WARPS4)
     return idx.view(*scores.shape[:-1], k)
