@@ -5,7 +5,9 @@ arguments' metadata, which a call plan fixes. Each kernels_triton/<op>.py has `p
 launcher's arguments, of which only the metadata is read; outputs may be meta tensors) returning an
 enqueue that takes the call's tensors and launches one or more `KernelCall`s: the kernel, its grid,
 the arguments after the leading tensor ones (scalars and constexprs, in the kernel's signature order)
-and the launch options. `launch(...)` of each op is `prepare(...)` then the enqueue.
+and the launch options. `launch(...)` of each op is `prepare(...)` then the enqueue. Launchers without a
+call plan (the layers' fused kernels, EvaCache's) go through `launch()` here, which keeps one KernelCall
+per metadata.
 
 Direct launch (`fast=True`: on CUDA unless FLASHSWITCH_FAST_LAUNCH=0): Triton's JITFunction.run binds
 every argument and computes a specialization key on each launch. With all but the tensors fixed that
