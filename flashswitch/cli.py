@@ -250,7 +250,7 @@ def cmd_demo(args) -> int:
         problem = spec.random_problem(**spec.demo_case, dtype=dt, device=device, seed=args.seed)
         bucket = spec.features(problem) if device.type == "cuda" else None
         try:
-            auto = call_plan.resolve_backend(spec.name, "auto", device, bucket)
+            auto = call_plan.resolve_backend(spec.name, "auto", device, bucket, spec.kernel_backends)
         except Exception as err:
             auto = f"? ({err})"
         con.print(f"\n[bold]{spec.name}[/bold]  {registry.describe(spec.demo_case)}")

@@ -358,7 +358,45 @@ EXPERT_MATMUL = OpSpec(
     bench_rotate=True,  # per-call host work (routing launches) is large next to the GEMM: time it apart
 )
 
-OPS: dict[str, OpSpec] = {spec.name: spec for spec in (CHUNK_SUMMARIES, EVA_ATTENTION, EXPERT_MATMUL)}
+# ---------------------------------------------------------------- switchhead_output (SwitchHead's fused O)
+def _switchhead_output_cost(p: dict) -> dict:
+    """flops: 2·D·d per routed (token, slot) pair, op 3's count for the same projection (the kernels do
+    E / k times as many as one dense GEMM). bytes: a, ids, gates and weight read once, y written once."""
+    a, ids, w = p["a"], p["ids"], p["weight"]
+    T, S = ids.shape
+    D, d = w.shape[1], w.shape[2]
+    return {"flops": 2 * T * S * D * d,
+            "bytes": nbytes(a) + nbytes(ids) + nbytes(p["gates"]) + nbytes(w) + T * d * a.element_size()}
+
+
+SWITCHHEAD_OUTPUT_SHAPES = {  # the papers' output projections at T = 16384 tokens
+    "switchhead262m": dict(T=16384, H=4, E=4, k=2, D=112, d=1024),
+    "switchhead47m": dict(T=16384, H=2, E=5, k=3, D=76, d=412),
+}
+
+SWITCHHEAD_OUTPUT = OpSpec(
+    name="switchhead_output",
+    ops_module="flashswitch.ops.switchhead_output",
+    reference_module="flashswitch.reference.switchhead_output",
+    cost=_switchhead_output_cost,
+    unit="TFLOP/s",
+    outputs=("y",),
+    check_cases=(
+        dict(T=37, H=3, E=5, k=2, D=12, d=20),
+        dict(T=70, H=1, E=2, k=1, D=12, d=24),
+        dict(T=9, H=2, E=4, k=2, D=16, d=16),
+        dict(T=0, H=2, E=3, k=2, D=8, d=8),
+    ),
+    demo_case=dict(T=64, H=2, E=4, k=2, D=32, d=48),
+    bench_shapes=tuple(SWITCHHEAD_OUTPUT_SHAPES.values()),
+    bench_x="T",
+    bench_compare=("reference",),
+    bench_plot={"kind": "bars"},
+    kernel_backends=("triton",),
+)
+
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in (CHUNK_SUMMARIES, EVA_ATTENTION, EXPERT_MATMUL,
+                                                       SWITCHHEAD_OUTPUT)}
 
 
 def get(name: str) -> OpSpec:
@@ -607,4 +645,17 @@ EXPERT_MATMUL_BWD = BackwardSpec(
     bench_plot={"kind": "bars"}, bench_rotate=True, kernel_backends=("triton",),
 )
 
-OPS.update({spec.name: spec for spec in (CHUNK_SUMMARIES_BWD, EVA_ATTENTION_BWD, EXPERT_MATMUL_BWD)})
+SWITCHHEAD_OUTPUT_BWD = BackwardSpec(
+    name="switchhead_output.bwd", pass_="bwd", forward="switchhead_output",
+    ops_module="flashswitch.ops.switchhead_output", reference_module="flashswitch.reference.switchhead_output",
+    cost=_with_bwd_flops(_switchhead_output_cost, 3.0, lambda p: 2 * _switchhead_output_cost(p)["bytes"]),
+    unit="TFLOP/s",
+    cotangents=lambda p: [((p["a"].shape[0], p["weight"].shape[2]), p["a"].dtype)],
+    check_cases=SWITCHHEAD_OUTPUT.check_cases[:3],
+    demo_case=dict(T=32, H=2, E=4, k=2, D=16, d=16),
+    bench_shapes=SWITCHHEAD_OUTPUT.bench_shapes,
+    bench_x="T", bench_compare=("reference",), bench_plot={"kind": "bars"}, kernel_backends=("triton",),
+)
+
+OPS.update({spec.name: spec for spec in (CHUNK_SUMMARIES_BWD, EVA_ATTENTION_BWD, EXPERT_MATMUL_BWD,
+                                         SWITCHHEAD_OUTPUT_BWD)})

@@ -234,8 +234,9 @@ def test_grouped_mm_pipeline_gpu(case):
 
 # ---------------------------------------------------------------- registry entries of ops 2 and 3
 def test_registry_has_all_ops():
-    assert list(registry.OPS) == ["chunk_summaries", "eva_attention", "expert_matmul", "chunk_summaries.bwd",
-                                  "eva_attention.bwd", "expert_matmul.bwd"]
+    assert list(registry.OPS) == ["chunk_summaries", "eva_attention", "expert_matmul", "switchhead_output",
+                                  "chunk_summaries.bwd", "eva_attention.bwd", "expert_matmul.bwd",
+                                  "switchhead_output.bwd"]
     for spec in registry.OPS.values():
         assert spec.check_cases and spec.demo_case and spec.bench_shapes
         for shape in spec.bench_shapes:
@@ -293,11 +294,15 @@ def test_bench_files_collect():
     """The benchmark files import and parametrize without a GPU (every case is then skipped)."""
     import subprocess
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        str(BENCH / "ops" / "bench_eva_attention.py"), str(BENCH / "ops" / "bench_expert_matmul.py")],
+                        str(BENCH / "ops" / "bench_eva_attention.py"), str(BENCH / "ops" / "bench_expert_matmul.py"),
+                        str(BENCH / "ops" / "bench_switchhead_output.py"),
+                        str(BENCH / "ops" / "bench_switchhead_output_bwd.py")],
                        cwd=BENCH.parent, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Nk65536" in r.stdout and "cat_sdpa_decode" in r.stdout and "flex_nocat" in r.stdout
     assert "switchhead47m_o-grouped_mm_pipeline" in r.stdout and "sigma_moe_up-dense_equal_macs" in r.stdout
+    assert "test_switchhead_output[switchhead262m-triton]" in r.stdout
+    assert "test_switchhead_output_bwd[switchhead47m-reference]" in r.stdout
 
 
 # ---------------------------------------------------------------- tables and plots of the results

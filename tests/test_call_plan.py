@@ -22,9 +22,10 @@ from flashswitch import _common as C
 from flashswitch import registry
 from flashswitch.autotune import schema, space, store
 from flashswitch.ops import call_plan, chunk_summaries as cs_op, eva_attention as eva_op, expert_matmul as em_op
+from flashswitch.ops import switchhead_output as sho_op
 from flashswitch.testing import assert_close
 
-MODULES = {"chunk_summaries": cs_op, "eva_attention": eva_op, "expert_matmul": em_op}
+MODULES = {"chunk_summaries": cs_op, "eva_attention": eva_op, "expert_matmul": em_op, "switchhead_output": sho_op}
 DEV = "Fake GPU 9000"
 FAST = settings(max_examples=3 if DEVICE == "cpu" else 20,  # fixtures: the caches are cleared inside the test
                 suppress_health_check=list(settings().suppress_health_check) + [HealthCheck.function_scoped_fixture])
@@ -38,6 +39,8 @@ def _problem(op: str, seed: int = 0, dtype=torch.float32) -> dict:
     if op == "eva_attention":
         return spec.random_problem(B=1, H=4, Hkv=2, Nq=3, Nk=40, D=16, C=4, W=8, summary_bias="tensor",
                                    dtype=dtype, device=DEVICE, seed=seed)
+    if op == "switchhead_output":
+        return spec.random_problem(T=11, H=2, E=3, k=2, D=12, d=16, dtype=dtype, device=DEVICE, seed=seed)
     return spec.random_problem(T=9, S=4, E=3, d_in=16, d_out=16, G_out=2, dtype=dtype, device=DEVICE, seed=seed)
 
 
@@ -48,6 +51,8 @@ def _call(op: str, p: dict, backend: str, **kw) -> tuple:
         return flashswitch.chunk_summaries(**p, return_lse=True, backend=backend)
     if op == "eva_attention":
         return flashswitch.eva_attention(**p, return_lse=True, backend=backend)
+    if op == "switchhead_output":
+        return (sho_op.switchhead_output(**p, backend=backend),)
     rt = p.pop("route", None) or flashswitch.route(p["expert_idx"], p["num_experts"])
     y = flashswitch.expert_matmul(p["x"], rt, p["weight"], gates=p["gates"], out_groups=p["out_groups"],
                                   deterministic=p.get("deterministic", True), backend=backend)
@@ -234,6 +239,44 @@ def test_expert_matmul_hit_keeps_every_check():
         kw.setdefault("route", rt)
         _expect(exc, match, lambda: _call("expert_matmul", p, backend, **kw))
     assert all(plan.G_out == 1 for plan in _plans(em_op))
+
+
+def test_switchhead_output_hit_keeps_every_check():
+    backend = _warm_backend()
+    p = _problem("switchhead_output")
+    _call("switchhead_output", p, backend)
+    assert len(sho_op.OPDEF.plans) == 1
+    bad_ids = p["ids"].clone()
+    bad_ids[2, 1] = 6  # past H·E: the values are checked on every call that asks (check=True)
+    bad = [
+        (TypeError, "^check", dict(check=1)),
+        (TypeError, "^num_experts", dict(num_experts=3.0)),
+        (ValueError, "^weight", dict(num_experts=2)),
+        (TypeError, "^weight ", dict(weight=p["weight"].half())),
+        (ValueError, "^gates", dict(gates=p["gates"][:, :2])),
+        (TypeError, "^ids", dict(ids=p["ids"].float())),
+        (ValueError, "^ids values", dict(ids=bad_ids)),
+    ]
+    for exc, match, kw in bad:
+        _expect(exc, match, lambda: _call("switchhead_output", p, backend, **kw))
+    _call("switchhead_output", p, backend, ids=bad_ids, check=False)  # dropped, not refused
+
+
+def test_backends_without_the_ops_kernels(monkeypatch):
+    """switchhead_output has Triton kernels only: cuda or cupy named raise naming the backend; named by
+    FLASHSWITCH_BACKEND (for every op), 'auto' falls back to the reference for it."""
+    p = _problem("switchhead_output")
+    for backend in ("cuda", "cupy"):
+        _expect(ValueError, f"^backend '{backend}' has no switchhead_output kernels",
+                lambda: _call("switchhead_output", p, backend))
+        monkeypatch.setenv("FLASHSWITCH_BACKEND", backend)
+        assert call_plan.resolve_backend("switchhead_output", "auto", torch.device(DEVICE), None,
+                                         sho_op.OPDEF.kernel_backends) == "reference"
+        assert not sho_op.runs_kernels("auto", DEVICE)
+        (y,) = _call("switchhead_output", p, "auto")
+        assert _plans(sho_op)[-1].backend == "reference"
+        monkeypatch.delenv("FLASHSWITCH_BACKEND")
+    assert sho_op.runs_kernels("triton", DEVICE) == ("triton" in kernel_backends())
 
 
 # ---------------------------------------------------------------- invalidation
@@ -450,7 +493,8 @@ def test_eager_autograd_path_equals_the_custom_op(op, monkeypatch):
         assert torch.equal(a, b)
 
 
-VMAPPED = {"chunk_summaries": ("k", "v"), "eva_attention": ("q", "k", "v", "k_sum", "v_sum"), "expert_matmul": ("x",)}
+VMAPPED = {"chunk_summaries": ("k", "v"), "eva_attention": ("q", "k", "v", "k_sum", "v_sum"), "expert_matmul": ("x",),
+           "switchhead_output": ("a", "gates")}
 
 
 @pytest.mark.parametrize("backend", kernel_backends())

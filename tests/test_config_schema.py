@@ -120,6 +120,8 @@ def _forward_buckets():
                 yield "expert_matmul", space.features(
                     "expert_matmul", dtype=dt, wdtype=dt, d_in=s["d_in"], d_out=s["d_out"], E=s["E"], S=s["S"],
                     G_in=s.get("G_in", 1), G_out=s.get("G_out", s["S"]), tokens=s["T"], deterministic=det)
+        for s in space.TUNE_SHAPES["switchhead_output"]:
+            yield "switchhead_output", _sho_features("switchhead_output", dt, s)
 
 
 def _backward_buckets():
@@ -137,6 +139,13 @@ def _backward_buckets():
             yield "expert_matmul.bwd", space.features(
                 "expert_matmul.bwd", dtype=dt, wdtype=dt, d_in=s["d_in"], d_out=s["d_out"], E=s["E"], S=s["S"],
                 G_in=s.get("G_in", 1), G_out=s.get("G_out", s["S"]), tokens=s["T"], gated=s["gated"])
+        for s in space.TUNE_SHAPES["switchhead_output.bwd"]:
+            yield "switchhead_output.bwd", _sho_features("switchhead_output.bwd", dt, s)
+
+
+def _sho_features(table: str, dt: str, s: dict) -> dict:
+    wdtype = "fp32" if s.get("weight_dtype") is not None else dt
+    return space.features(table, dtype=dt, wdtype=wdtype, H=s["H"], E=s["E"], D=s["D"], d=s["d"], tokens=s["T"])
 
 
 def test_every_space_config_passes_the_schema():

@@ -1,4 +1,5 @@
-"""SwitchHead's fused output projection (kernels_triton/switchhead_output.py) against an fp64 oracle: the
+"""SwitchHead's fused output projection (ops/switchhead_output.py, its kernels in
+kernels_triton/switchhead_output(_bwd).py) against an fp64 oracle: the
 gated routed sum y[t] = Σ_s gates[t, s] · a[t, ids[t, s] // E] @ weight[ids[t, s]], written slot by slot,
 and its autograd gradients (da, dgates, dweight). Each output passes the SPEC rule (testing.assert_close)
 with the same routed sum in the kernels' precision as baseline, widened where the output's terms cancel
@@ -6,25 +7,44 @@ with the same routed sum in the kernels' precision as baseline, widened where th
 interpreter in fp32 (tiny shapes); bf16 / fp16 (with fp32 master weights, as the layer passes them) on
 the GPU. Both forms of the forward and of the weight gradient (K.FORMS: Z tiles built per column, or per
 expert block as a row scale of a) pass the same checks. Outputs start as NaN (FLASHSWITCH_POISON, set by
-conftest), so a tile left unwritten fails."""
+conftest), so a tile left unwritten fails. Every test starts with empty call plans: a plan keeps the form it
+was prepared in."""
 import pytest
 import torch
 
 from conftest import DEVICE, cuda_graph_capture, gpu_spread
-from flashswitch.kernels_triton import switchhead_output as K
+from flashswitch.autotune import space
+from flashswitch.kernels_triton import switchhead_output as K, switchhead_output_bwd as KB
 from flashswitch.nn import SwitchHeadAttention
 from flashswitch.nn import switchhead as SH
+from flashswitch.ops import call_plan, switchhead_output as op
 from flashswitch.ops.expert_matmul import expert_matmul, route
+from flashswitch.reference.switchhead_output import torch_switchhead_output
 from flashswitch.testing import assert_close, conditioning_tol
 
 F64 = torch.float64
 GRADS = ("a", "gates", "weight")
+FWD = space.default_config(op.OP, "triton", {})  # the default configs (the space's first of each list)
+BWD = space.default_config(op.OP_BWD, "triton", {})
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    call_plan.clear_all()
+    yield
+    call_plan.clear_all()
 
 
 def use_form(monkeypatch, form):
     """The kernels' default form (forward and weight gradient) for the test."""
     monkeypatch.setattr(K, "FORWARD_FORM", form)
-    monkeypatch.setattr(K, "DWEIGHT_FORM", form)
+    monkeypatch.setattr(KB, "DWEIGHT_FORM", form)
+    call_plan.clear_all()
+
+
+def bwd_config(da_dw=None, dweight=None) -> dict:
+    """A backward config: the default's tiles where not given."""
+    return space.sho_backward_config(da_dw or space.SHO_DA_DW[0], dweight or space.SHO_DWEIGHT_COLUMNS[0])
 
 
 def make_problem(T, H, E, k, D, d, dtype=torch.float32, *, master=False, seed=0, device=DEVICE):
@@ -76,7 +96,7 @@ def check(p, got: dict, dtype):
 def run_public(p, *, backend="triton"):
     """y and the gradients through switchhead_output (autograd), with the cotangent p["dy"]."""
     leaves = {n: p[n].detach().clone().requires_grad_() for n in GRADS}
-    y = K.switchhead_output(leaves["a"], p["ids"], leaves["gates"], leaves["weight"], p["E"], backend=backend)
+    y = op.switchhead_output(leaves["a"], p["ids"], leaves["gates"], leaves["weight"], p["E"], backend=backend)
     assert y.dtype == p["a"].dtype and y.shape == (p["a"].shape[0], p["weight"].shape[2])
     y.backward(p["dy"])
     assert leaves["weight"].grad.dtype == p["weight"].dtype and leaves["gates"].grad.dtype == p["gates"].dtype
@@ -110,11 +130,10 @@ def _fp32_spread(T, H, E, k, D, d, form):
 @pytest.mark.parametrize("form", K.FORMS)
 @pytest.mark.parametrize("T,H,E,k,D,d", CASES)
 def test_matches_oracle_fp32(T, H, E, k, D, d, form, monkeypatch):
-    """Forward and backward through the public call (autotuned configs; the interpreter takes the first),
-    each form of the kernels as the module's default. On the GPU the cost is triton.autotune compiling
-    and timing every config of each kernel for each case's head shapes (the cases are already tiny), so
-    the GPU runs each case in one form (`_fp32_spread`): every case, both forms, every tiling edge the
-    cases hold (T = 130 past BT = 128, T and d below every tile); the CPU runs them all."""
+    """Forward and backward through the public call (the config store's configs: here the defaults),
+    each form of the kernels as the module's default. The GPU runs each case in one form
+    (`_fp32_spread`): every case, both forms, every tiling edge the cases hold (T = 130 past BT = 128, T
+    and d below every tile); the CPU runs them all."""
     use_form(monkeypatch, form)
     p = with_dy(make_problem(T, H, E, k, D, d, seed=T + D))
     check(p, run_public(p), torch.float32)
@@ -127,8 +146,8 @@ def test_small_tiles_and_split_token_sum(T, H, E, k, D, d):
     p = with_dy(make_problem(T, H, E, k, D, d, seed=3))
     w = K.gate_table(p["ids"], p["gates"], H * E)
     y = K.forward(p["a"], w, p["weight"], config=SMALL["forward"])
-    da, dg, dw = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], p["gates"].dtype, True, True, True,
-                            configs=SMALL, splits=3)
+    da, dg, dw = KB.backward(p["dy"], p["a"], p["ids"], p["gates"], p["weight"], True, True, True,
+                             config=bwd_config(SMALL["da_dw"], SMALL["dweight"]), splits=3)
     check(p, {"y": y, "da": da, "dgates": dg, "dweight": dw}, torch.float32)
 
 
@@ -149,9 +168,8 @@ def test_row_scale_weight_gradient_small_tiles_and_splits(T, H, E, k, D, d):
     """The row-scale weight gradient with 16 rows of an expert block per program (D = 28: two blocks, the
     second masked; D = 12: one) and the token sum split in three ranges."""
     p = with_dy(make_problem(T, H, E, k, D, d, seed=23))
-    w = K.gate_table(p["ids"], p["gates"], H * E)
-    dw = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], p["gates"].dtype, False, False, True,
-                    configs={"dweight": SMALL["dweight_rows"]}, splits=3, form="rows")[2]
+    dw = KB.backward(p["dy"], p["a"], p["ids"], p["gates"], p["weight"], False, False, True,
+                     config=bwd_config(dweight=SMALL["dweight_rows"]), splits=3, form="rows")[2]
     inputs = {n: p[n] for n in GRADS} | {"dy": p["dy"]}
     ref = outputs(inputs, p["ids"], p["E"], F64)["dweight"]
     base = outputs(inputs, p["ids"], p["E"], torch.float32)["dweight"]
@@ -173,15 +191,16 @@ def check_forward(p, y, dtype):
 def test_forward_form_is_checked():
     p = make_problem(6, 2, 3, 2, 8, 8)
     with pytest.raises(ValueError, match="form"):
-        K.forward(p["a"], K.gate_table(p["ids"], p["gates"], 6), p["weight"], form="diagonal")
+        K.forward(p["a"], K.gate_table(p["ids"], p["gates"], 6), p["weight"], config=FWD, form="diagonal")
     with pytest.raises(ValueError, match="form"):
-        K.backward(p["a"][:, 0], p["a"], p["ids"], K.gate_table(p["ids"], p["gates"], 6), p["weight"],
-                   torch.float32, False, False, True, form="diagonal")
+        KB.backward(p["a"][:, 0], p["a"], p["ids"], p["gates"], p["weight"], False, False, True, config=BWD,
+                    form="diagonal")
 
 
 def test_every_listed_config_agrees():
-    """Each config of the three autotune lists (the interpreter only runs the first through autotune). On
-    the GPU a config whose fp32 tiles exceed the shared memory is skipped, as the autotuner skips it."""
+    """Each config of the five lists of the config space (autotune/space.py; the calls run the first of each
+    by default). On the GPU a config whose fp32 tiles exceed the shared memory is skipped, as the tuner
+    skips it."""
     from triton.runtime.errors import OutOfResources
     p = with_dy(make_problem(37, 3, 5, 2, 12, 20, seed=5))
     w = K.gate_table(p["ids"], p["gates"], 15)
@@ -197,40 +216,40 @@ def test_every_listed_config_agrees():
             return None
         ran += 1
         return out
-    for cfg in K.FORWARD_CONFIGS:
+    for cfg in space.SHO_FORWARD_COLUMNS:
         if (y := run(lambda: K.forward(p["a"], w, p["weight"], config=cfg))) is not None:
             assert_close(f"y {cfg}", y, ref["y"], torch.float32)
-    for cfg in K.FORWARD_ROWS_CONFIGS:
+    for cfg in space.SHO_FORWARD_ROWS:
         if (y := run(lambda: K.forward(p["a"], w, p["weight"], config=cfg, form="rows"))) is not None:
             assert_close(f"y rows {cfg}", y, ref["y"], torch.float32)
-    for cfg in K.DA_DW_CONFIGS:
-        if (out := run(lambda: K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, True, True,
-                                          False, configs={"da_dw": cfg}))) is not None:
+    for cfg in space.SHO_DA_DW:
+        if (out := run(lambda: KB.backward(p["dy"], p["a"], p["ids"], p["gates"], p["weight"], True, True, False,
+                                           config=bwd_config(da_dw=cfg)))) is not None:
             assert_close(f"da {cfg}", out[0], ref["da"], torch.float32)
             assert_close(f"dgates {cfg}", out[1], ref["dgates"], torch.float32)
-    for cfg in K.DWEIGHT_CONFIGS:
-        if (out := run(lambda: K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False,
-                                          True, configs={"dweight": cfg}, splits=2))) is not None:
+    for cfg in space.SHO_DWEIGHT_COLUMNS:
+        if (out := run(lambda: KB.backward(p["dy"], p["a"], p["ids"], p["gates"], p["weight"], False, False, True,
+                                           config=bwd_config(dweight=cfg), splits=2))) is not None:
             assert_close(f"dweight {cfg}", out[2], ref["dweight"], torch.float32)
-    for cfg in K.DWEIGHT_ROWS_CONFIGS:
-        if (out := run(lambda: K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False,
-                                          True, configs={"dweight": cfg}, splits=2, form="rows"))) is not None:
+    for cfg in space.SHO_DWEIGHT_ROWS:
+        if (out := run(lambda: KB.backward(p["dy"], p["a"], p["ids"], p["gates"], p["weight"], False, False, True,
+                                           config=bwd_config(dweight=cfg), splits=2, form="rows"))) is not None:
             assert_close(f"dweight rows {cfg}", out[2], ref["dweight"], torch.float32)
-    listed = sum(map(len, (K.FORWARD_CONFIGS, K.FORWARD_ROWS_CONFIGS, K.DA_DW_CONFIGS, K.DWEIGHT_CONFIGS,
-                           K.DWEIGHT_ROWS_CONFIGS)))
+    listed = sum(map(len, (space.SHO_FORWARD_COLUMNS, space.SHO_FORWARD_ROWS, space.SHO_DA_DW,
+                           space.SHO_DWEIGHT_COLUMNS, space.SHO_DWEIGHT_ROWS)))
     assert ran >= listed - (8 if DEVICE == "cuda" else 0)
 
 
 def test_wanted_gradients_only_and_deterministic():
     """Each gradient alone equals its value among all three; a repeated backward is bitwise equal."""
     p = with_dy(make_problem(40, 2, 4, 2, 12, 24, seed=7))
-    w = K.gate_table(p["ids"], p["gates"], 8)
-    full = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, True, True, True)
-    again = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, True, True, True)
+    args = (p["dy"], p["a"], p["ids"], p["gates"], p["weight"])
+    full = KB.backward(*args, True, True, True, config=BWD)
+    again = KB.backward(*args, True, True, True, config=BWD)
     for i in range(3):
         want = [False] * 3
         want[i] = True
-        alone = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, *want)
+        alone = KB.backward(*args, *want, config=BWD)
         assert all(g is None for j, g in enumerate(alone) if j != i)
         assert torch.equal(alone[i], full[i]) and torch.equal(again[i], full[i])
 
@@ -245,7 +264,7 @@ def test_out_of_range_ids_are_dropped_and_duplicates_add():
     keep = (ids >= 0) & (ids < 8)
     q = p | {"ids": ids.clamp(0, 7), "gates": torch.where(keep, p["gates"], 0.0)}
     leaves = {n: p[n].detach().clone().requires_grad_() for n in GRADS}
-    y = K.switchhead_output(leaves["a"], ids, leaves["gates"], leaves["weight"], 4, check=False, backend="triton")
+    y = op.switchhead_output(leaves["a"], ids, leaves["gates"], leaves["weight"], 4, check=False, backend="triton")
     y.backward(p["dy"])
     ref = outputs(q, q["ids"], 4, F64)
     assert_close("y", y, ref["y"], torch.float32)
@@ -261,8 +280,8 @@ def test_reference_matches_oracle():
     p = with_dy(make_problem(37, 3, 5, 2, 12, 20, seed=11))
     check(p, run_public(p, backend="reference"), torch.float32)
     if DEVICE == "cpu":
-        assert torch.equal(K.switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], 5),
-                           K.torch_switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], 5))
+        assert torch.equal(op.switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], 5),
+                           torch_switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], 5))
 
 
 @pytest.mark.parametrize("T,D,d", [(0, 12, 16), (6, 0, 16), (6, 12, 0)])
@@ -276,17 +295,24 @@ def test_outputs_are_poisoned_before_launch(monkeypatch):
     """With the launches stubbed out every output is NaN: an element a kernel leaves unwritten cannot
     pass the oracle comparisons above."""
     class Stub:
+        def __init__(self, kernel):
+            self.arg_names = kernel.arg_names  # what a prepared launch checks its arguments against
+
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
-    for name in ("_forward_tuned", "_forward_rows_tuned", "_da_dw_tuned", "_dweight_tuned", "_dweight_rows_tuned",
-                 "_gate_table_kernel", "_gate_grad_kernel", "_sum_splits"):
-        monkeypatch.setattr(K, name, Stub())
+    for module, names in ((K, ("_forward_kernel", "_forward_rows_kernel", "_gate_table_kernel")),
+                          (KB, ("_da_dw_kernel", "_dweight_kernel", "_dweight_rows_kernel", "_gate_grad_kernel",
+                                "_sum_splits"))):
+        for name in names:
+            monkeypatch.setattr(module, name, Stub(getattr(module, name)))
     p = with_dy(make_problem(10, 2, 4, 2, 12, 16))
     w = K.gate_table(p["ids"], p["gates"], 8)
-    outs = [w, K.forward(p["a"], w, p["weight"], form="columns"), K.forward(p["a"], w, p["weight"], form="rows"),
-            *K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, True, True, True, splits=2),
-            K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False, True, splits=2,
-                       form="rows")[2]]
+    args = (p["dy"], p["a"], p["ids"], p["gates"], p["weight"])
+    outs = [w, K.forward(p["a"], w, p["weight"], config=FWD, form="columns"),
+            K.forward(p["a"], w, p["weight"], config=FWD, form="rows"),
+            *KB.backward(*args, True, True, True, config=BWD, splits=2),
+            KB.backward(*args, False, False, True, config=BWD, splits=2, form="rows")[2],
+            op.switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], 4, backend="triton")]
     assert all(t.isnan().all() for t in outs)
 
 
@@ -295,12 +321,12 @@ def test_custom_op_and_compile():
     compiled call (fullgraph) gives the eager call's outputs and gradients."""
     p = with_dy(make_problem(12, 2, 4, 2, 12, 16, seed=13))
     args = (p["a"].requires_grad_(), p["ids"], p["gates"].requires_grad_(), p["weight"].requires_grad_())
-    torch.library.opcheck(K._fused_op, args, test_utils=("test_schema", "test_autograd_registration",
-                                                         "test_faketensor"))
+    torch.library.opcheck(op.OPDEF.op, (*args, "triton"), test_utils=("test_schema", "test_autograd_registration",
+                                                                      "test_faketensor"))
     torch._dynamo.reset()
 
     def f(a, ids, gates, weight):
-        return K.switchhead_output(a, ids, gates, weight, 4, check=False, backend="triton")
+        return op.switchhead_output(a, ids, gates, weight, 4, check=False, backend="triton")
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     y, yc = f(*args), compiled(*args)
     torch.testing.assert_close(yc, y, rtol=0, atol=0)
@@ -313,8 +339,8 @@ def test_custom_op_and_compile():
 def _bad(**change):
     p = make_problem(6, 2, 3, 2, 8, 8)
     kw = dict(a=p["a"], ids=p["ids"], gates=p["gates"], weight=p["weight"], num_experts=3) | change
-    return lambda: K.switchhead_output(kw.pop("a"), kw.pop("ids"), kw.pop("gates"), kw.pop("weight"),
-                                       kw.pop("num_experts"), **kw)
+    return lambda: op.switchhead_output(kw.pop("a"), kw.pop("ids"), kw.pop("gates"), kw.pop("weight"),
+                                        kw.pop("num_experts"), **kw)
 
 
 @pytest.mark.parametrize("make, name", [
@@ -362,8 +388,8 @@ def test_layer_uses_fused_output_where_it_pays(monkeypatch):
     m = layer(4, 2)
     x = torch.randn(2, 9, 16, device=DEVICE)
     seen = []
-    real = K.switchhead_output
-    monkeypatch.setattr(K, "switchhead_output", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    real = op.switchhead_output
+    monkeypatch.setattr(op, "switchhead_output", lambda *a, **kw: seen.append(1) or real(*a, **kw))
 
     def run():
         xx = x.clone().requires_grad_()
@@ -387,7 +413,7 @@ def test_fused_equals_op3_on_the_layers_routing(form, monkeypatch):
     expert_matmul(..., out_groups=1)."""
     use_form(monkeypatch, form)
     p = make_problem(33, 3, 4, 2, 12, 20, seed=17)
-    fused = K.switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], 4, backend="triton")
+    fused = op.switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], 4, backend="triton")
     op3 = expert_matmul(p["a"], route(p["ids"], 12), p["weight"], gates=p["gates"], out_groups=1, backend="triton")
     torch.testing.assert_close(fused, op3[:, 0], rtol=1e-5, atol=1e-6)
 
@@ -412,8 +438,8 @@ def _half_spread(dtype, master, T, H, E, k, D, d, form):
 @pytest.mark.parametrize("T,H,E,k,D,d", HALF_CASES)
 def test_half_precision_on_gpu(dtype, master, T, H, E, k, D, d, form, monkeypatch):
     """bf16 / fp16 a with fp32 master weights (the layer under autocast) or weights in a's dtype, each form
-    of the kernels. Each combination autotunes (compiles) every config anew: the GPU runs the pairwise
-    spread `_half_spread`. The shapes stay: each crosses tiling edges of the kernels (T past BT = 128 and,
+    of the kernels. Each combination compiles its kernels anew: the GPU runs the pairwise spread
+    `_half_spread`. The shapes stay: each crosses tiling edges of the kernels (T past BT = 128 and,
     at 4100, a token sum split in ranges of DWEIGHT_MIN_SPLIT_TOKENS or more; d past BN = 128; H·E·D past BK and
     not a multiple of it)."""
     use_form(monkeypatch, form)
@@ -427,24 +453,23 @@ def test_split_token_sum_on_gpu():
     against the fp64 oracle as one range. The two differ by rounding, not bitwise: the ranges reorder
     the fp32 sums (and the tensor cores' accumulation)."""
     p = with_dy(make_problem(5000, 4, 4, 2, 112, 256, torch.bfloat16, master=True, seed=3))
-    w = K.gate_table(p["ids"], p["gates"], 16)
     for splits in (1, 4):
-        dw = K.backward(p["dy"], p["a"], p["ids"], w, p["weight"], torch.float32, False, False, True,
-                        splits=splits)[2]
+        dw = KB.backward(p["dy"], p["a"], p["ids"], p["gates"], p["weight"], False, False, True, config=BWD,
+                         splits=splits)[2]
         check(p, {"dweight": dw}, torch.bfloat16)
 
 
 @pytest.mark.gpu
 def test_cuda_graph_capture():
-    """Forward and backward captured in one CUDA graph (after a warm-up that autotunes) and replayed on new
-    inputs equal eager: no host sync."""
+    """Forward and backward captured in one CUDA graph (after a warm-up that makes the call plan) and replayed
+    on new inputs equal eager: no host sync."""
     p = with_dy(make_problem(512, 4, 4, 2, 112, 256, torch.bfloat16, master=True))
     a = p["a"].clone().requires_grad_()
     gates = p["gates"].clone().requires_grad_()
     weight = p["weight"].clone().requires_grad_()
 
     def step():
-        y = K.switchhead_output(a, p["ids"], gates, weight, 4, check=False)
+        y = op.switchhead_output(a, p["ids"], gates, weight, 4, check=False)
         return (y, *torch.autograd.grad(y, [a, gates, weight], p["dy"]))
     graph, static = cuda_graph_capture(step)
     with torch.no_grad():

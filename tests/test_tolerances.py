@@ -158,8 +158,8 @@ def fused_output_forward(dtype) -> Subject:
     def y(dt):
         return {"y": SHO.routed_sum(p["a"], p["ids"], p["gates"], p["weight"], p["E"], dt)}
     return Subject(check=lambda out: SHO.check_forward(p, out["y"], dtype), oracle=y(F64), dtypes={"y": dtype},
-                   kernel=lambda: {"y": SHO.K.switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], p["E"],
-                                                                backend=KERNEL)},
+                   kernel=lambda: {"y": SHO.op.switchhead_output(p["a"], p["ids"], p["gates"], p["weight"], p["E"],
+                                                                 backend=KERNEL)},
                    reference=lambda: y(dtype))
 
 

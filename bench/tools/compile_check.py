@@ -295,12 +295,13 @@ def check_layer_ops(arch: int, dtype: str) -> list[dict]:
 
 
 def check_switchhead_output(arch: int, dtype: str) -> list[dict]:
-    """Compile the fused output projection's kernels (kernels_triton/switchhead_output.py) with every config
-    of their lists at SwitchHead-262M's and 47M's output shapes (a in `dtype`, fp32 master weights for 16-bit
-    a, as the layer passes them): the forward and the dweight kernel in both forms (columns, rows), and the
-    backward's da/dw kernel (dweight with a split of the token sum, as on the GPU)."""
+    """Compile the fused output projection's kernels (kernels_triton/switchhead_output(_bwd).py) with every
+    config of their lists in autotune/space.py at SwitchHead-262M's and 47M's output shapes (a in `dtype`, fp32
+    master weights for 16-bit a, as the layer passes them): the forward and the dweight kernel in both forms
+    (columns, rows), and the backward's da/dw kernel (dweight with a split of the token sum, as on the GPU)."""
     from flashswitch import registry
-    from flashswitch.kernels_triton import switchhead_output as ops
+    from flashswitch.autotune import space
+    from flashswitch.kernels_triton import switchhead_output as ops, switchhead_output_bwd as bwd
 
     dt = registry.DTYPES[dtype]
     shapes = {"262M": dict(H=4, E=4, k=2, D=112, d=1024), "47M": dict(H=2, E=5, k=3, D=76, d=412)}
@@ -310,25 +311,29 @@ def check_switchhead_output(arch: int, dtype: str) -> list[dict]:
         a = torch.zeros(T, H, D, dtype=dt)
         weight = torch.zeros(H * E, D, d)
         ids = torch.zeros(T, H * s["k"], dtype=torch.int64)
+        gates = torch.zeros(T, H * s["k"])
         w = torch.zeros(T, H * E)
         dy = torch.zeros(T, d, dtype=dt)
+
+        def grads(need, config, **kw):
+            return bwd.backward(dy, a, ids, gates, weight, *need, config=config, **kw)
+        da0, dw0 = space.SHO_DA_DW[0], space.SHO_DWEIGHT_COLUMNS[0]
         runs = [(f"forward {cfg}", lambda cfg=cfg: ops.forward(a, w, weight, config=cfg))
-                for cfg in ops.FORWARD_CONFIGS]
+                for cfg in space.SHO_FORWARD_COLUMNS]
         runs += [(f"forward rows {cfg}", lambda cfg=cfg: ops.forward(a, w, weight, config=cfg, form="rows"))
-                 for cfg in ops.FORWARD_ROWS_CONFIGS]
-        runs += [(f"da_dw {cfg}", lambda cfg=cfg: ops.backward(dy, a, ids, w, weight, torch.float32, True, True, False,
-                                                                configs={"da_dw": cfg}))
-                 for cfg in ops.DA_DW_CONFIGS]
-        runs += [(f"dweight {cfg}", lambda cfg=cfg: ops.backward(dy, a, ids, w, weight, torch.float32, False, False,
-                                                                  True, configs={"dweight": cfg}, splits=2))
-                 for cfg in ops.DWEIGHT_CONFIGS]
-        runs += [(f"dweight rows {cfg}", lambda cfg=cfg: ops.backward(dy, a, ids, w, weight, torch.float32, False,
-                                                                       False, True, configs={"dweight": cfg},
-                                                                       splits=2, form="rows"))
-                 for cfg in ops.DWEIGHT_ROWS_CONFIGS]
+                 for cfg in space.SHO_FORWARD_ROWS]
+        runs += [(f"da_dw {cfg}", lambda cfg=cfg: grads((True, True, False), space.sho_backward_config(cfg, dw0)))
+                 for cfg in space.SHO_DA_DW]
+        runs += [(f"dweight {cfg}", lambda cfg=cfg: grads((False, False, True), space.sho_backward_config(da0, cfg),
+                                                          splits=2))
+                 for cfg in space.SHO_DWEIGHT_COLUMNS]
+        runs += [(f"dweight rows {cfg}", lambda cfg=cfg: grads((False, False, True),
+                                                               space.sho_backward_config(da0, cfg), splits=2,
+                                                               form="rows"))
+                 for cfg in space.SHO_DWEIGHT_ROWS]
         print(f"switchhead_output {label} {dtype}: {len(runs)} configs", flush=True)
-        rows += [compile_row({"op": "switchhead_output", "shape": label, "config": {"case": name}}, [ops], run, arch,
-                             name) for name, run in runs]
+        rows += [compile_row({"op": "switchhead_output", "shape": label, "config": {"case": name}}, [ops, bwd], run,
+                             arch, name) for name, run in runs]
     return rows
 
 

@@ -53,8 +53,11 @@ SHAPES = {
     "expert_matmul": [("tiny", dict(T=16, S=2, E=4, d_in=64, d_out=64)),
                       ("issue", dict(T=16384, S=8, E=16, d_in=1024, d_out=112, G_out=4, gated=True)),
                       ("issue", dict(T=16384, S=8, E=512, d_in=1024, d_out=128, G_out=8, gated=False))],
+    "switchhead_output": [("tiny", dict(T=16, H=2, E=4, k=2, D=64, d=64)),
+                          ("issue", dict(T=16384, H=4, E=4, k=2, D=112, d=1024))],
 }
-CPU_SHAPES = {"chunk_summaries": 1, "eva_attention": 2, "expert_matmul": 1}  # tiny ones only without a GPU
+CPU_SHAPES = {"chunk_summaries": 1, "eva_attention": 2, "expert_matmul": 1,  # tiny ones only without a GPU
+              "switchhead_output": 1}
 
 
 def public_calls(op: str, problem: dict, backend: str) -> dict:
@@ -68,7 +71,7 @@ def public_calls(op: str, problem: dict, backend: str) -> dict:
         if backend == "triton":  # route has no backend argument: one row per shape
             calls["route"] = lambda: flashswitch.route(idx, E, check=False)
         return calls
-    fn = getattr(flashswitch, op)
+    fn = getattr(registry.get(op).ops(), op)
     return {op: lambda: fn(**problem, backend=backend)}
 
 
@@ -81,7 +84,7 @@ def training_call(op: str, problem: dict, backend: str):
     leaves = {n: t.detach().requires_grad_() for n, t in p.items()
               if isinstance(t, torch.Tensor) and t.is_floating_point()}
     kw = {**p, **leaves}
-    fn = getattr(flashswitch, op)
+    fn = getattr(registry.get(op).ops(), op)
     if op == "expert_matmul":
         x, rt, w = kw.pop("x"), kw.pop("route"), kw.pop("weight")
         call = lambda: fn(x, rt, w, **kw, backend=backend)  # noqa: E731
@@ -217,7 +220,8 @@ def main() -> None:
         for label, shape in shapes:
             problem = spec.random_problem(**shape, dtype=dtype, device=device, seed=0)
             for backend in args.backends:
-                if not (backend_usable(backend) if gpu else backend == "triton"):
+                if not (backend_usable(backend) if gpu else backend == "triton") or (
+                        backend != "reference" and backend not in spec.kernel_backends):
                     continue
                 for name, fn in public_calls(op, problem, backend).items():
                     record(name, label, shape, backend if name != "route" else "-", fn)

@@ -1,5 +1,5 @@
 """SwitchHead's output projection three ways, forward and forward + backward, at the papers' shapes:
-the fused dense-over-experts kernels (kernels_triton/switchhead_output.py, both forms of its kernels), op 3
+the fused dense-over-experts op (ops/switchhead_output.py, both forms of its kernels), op 3
 as the layer calls it otherwise (route + expert_matmul, backend "auto": the tuned kernel), and a dense bf16
 matmul with the routed multiply-adds (x [T, H·k·D] @ W [H·k·D, d], the roof). Every rate is counted on the
 routed MACs (2·T·H·k·D·d flops forward, 3x that forward + backward), so the columns compare times directly.
@@ -13,14 +13,14 @@ fp32 weights cast per tile in the kernel: the layer's path), "fused, W cast once
 per call before the kernels, autograd through the cast: a variant to weigh, its weight gradient is rounded
 to bf16), "fused, row scale" and "fused, row scale, W cast once" (the same with the row-scale forward and
 weight gradient, the kernels' form "rows"), "op 3", "dense (routed MACs)". Times: `triton.testing.do_bench`
-medians (L2 flushed; bench/common.py bench_ms) after a warm-up call that runs the kernels' autotuning. Also
-recorded: each fused form's relative error against op 3's outputs and the configs the autotuner picked.
+medians (L2 flushed; bench/common.py bench_ms) after a warm-up call that makes the call plans. Also
+recorded: each fused form's relative error against op 3's outputs and the configs the calls ran (the tuned
+store's or the defaults).
 Writes switchhead_output.{json,md} under bench/results/<device>/ (or --out; without a GPU only with --out).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shlex
@@ -34,9 +34,10 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: `import common`
 from common import device_name, env_info, provenance, provenance_line, results_dir, time_ms  # noqa: E402
-from flashswitch.kernels_triton import switchhead_output as K  # noqa: E402
+from flashswitch.kernels_triton import switchhead_output as K, switchhead_output_bwd as KB  # noqa: E402
 from flashswitch.nn._routing import matmul_weight  # noqa: E402
 from flashswitch.nn.models import paper_config  # noqa: E402
+from flashswitch.ops import call_plan, switchhead_output as op  # noqa: E402
 from flashswitch.ops.expert_matmul import expert_matmul, route  # noqa: E402
 from flashswitch.testing import rel_error  # noqa: E402
 
@@ -71,15 +72,12 @@ def make_inputs(s: dict, dtype: torch.dtype, device: str, seed: int = 0) -> dict
         w=(torch.randn(H * k * D, d, generator=g, device=device) * (H * k * D) ** -0.5).to(dtype))
 
 
-@contextlib.contextmanager
-def kernel_form(form: str):
-    """The fused forward and weight gradient in `form` (K.FORMS) for the calls made inside."""
-    old = K.FORWARD_FORM, K.DWEIGHT_FORM
-    K.FORWARD_FORM = K.DWEIGHT_FORM = form
-    try:
-        yield
-    finally:
-        K.FORWARD_FORM, K.DWEIGHT_FORM = old
+def kernel_form(form: str) -> None:
+    """The fused forward and weight gradient in `form` (K.FORMS) from here on (a config without FORM / DW_FORM
+    runs the modules' default form); the plans, prepared in the other form, start over where it changes."""
+    if (K.FORWARD_FORM, KB.DWEIGHT_FORM) != (form, form):
+        K.FORWARD_FORM = KB.DWEIGHT_FORM = form
+        call_plan.clear_all()
 
 
 def callables(p: dict, s: dict) -> dict:
@@ -90,7 +88,7 @@ def callables(p: dict, s: dict) -> dict:
               p["weight"].detach().requires_grad_()]
 
     def fused(a, gates, weight):
-        return K.switchhead_output(a, p["ids"], gates, weight, E, check=False, backend="triton")
+        return op.switchhead_output(a, p["ids"], gates, weight, E, check=False, backend="triton")
 
     def fused_cast(a, gates, weight):
         return fused(a, gates, weight.to(dtype))
@@ -101,12 +99,12 @@ def callables(p: dict, s: dict) -> dict:
 
     def step(fn, form="columns"):
         def fwd():
-            with kernel_form(form):
-                return fn(p["a"], p["gates"], p["weight"])
+            kernel_form(form)
+            return fn(p["a"], p["gates"], p["weight"])
 
         def train():
-            with kernel_form(form):
-                return torch.autograd.grad(fn(*leaves), leaves, p["dy"])
+            kernel_form(form)
+            return torch.autograd.grad(fn(*leaves), leaves, p["dy"])
         return fwd, train
 
     wx = [p["x"].detach().requires_grad_(), p["w"].detach().requires_grad_()]
@@ -115,16 +113,11 @@ def callables(p: dict, s: dict) -> dict:
             "fused, row scale, W cast once": step(fused_cast, "rows"), "op 3": step(op3), "dense (routed MACs)": dense}
 
 
-def best_configs() -> dict:
-    """The configs the autotuner picked last for the fused kernels."""
-    out = {}
-    for name, tuned in (("forward", K._forward_tuned), ("forward_rows", K._forward_rows_tuned),
-                        ("da_dw", K._da_dw_tuned), ("dweight", K._dweight_tuned),
-                        ("dweight_rows", K._dweight_rows_tuned)):
-        cfg = getattr(tuned, "best_config", None)
-        if cfg is not None:
-            out[name] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    return out
+def run_configs(p: dict) -> dict:
+    """The configs the fused calls run on these inputs (tuned store or default), forward and backward."""
+    args = (p["a"], p["ids"], p["gates"], p["weight"])
+    return {"forward": dict(call_plan.config(op.OP, "triton", op.OPDEF.features(op.OP, *args))),
+            "backward": dict(call_plan.config(op.OP_BWD, "triton", op.OPDEF.features(op.OP_BWD, *args)))}
 
 
 def measure(label: str, s: dict, dtype: torch.dtype, device: str, gpu: bool) -> list[dict]:
@@ -140,7 +133,7 @@ def measure(label: str, s: dict, dtype: torch.dtype, device: str, gpu: bool) -> 
     for pass_, flops in (("fwd", routed_flops), ("fwd+bwd", 3 * routed_flops)):
         for impl in IMPLS:
             fn = fns[impl][0 if pass_ == "fwd" else 1]
-            fn()  # compiles and autotunes
+            fn()  # compiles and makes the call plans
             if gpu:
                 torch.cuda.synchronize()
             ms = time_ms(fn, gpu)
@@ -150,7 +143,7 @@ def measure(label: str, s: dict, dtype: torch.dtype, device: str, gpu: bool) -> 
         for r in by.values():
             r["rate_vs_dense"] = by["dense (routed MACs)"]["ms"] / r["ms"]
             r["speedup_vs_op3"] = by["op 3"]["ms"] / r["ms"]
-        by["fused"]["configs"] = best_configs()
+        by["fused"]["configs"] = run_configs(p)
         for impl in FUSED:
             by[impl]["rel_error_vs_op3"] = errors[impl]
         print(f"{label} {pass_}: " + ", ".join(f"{i} {by[i]['ms']:.3f} ms" for i in IMPLS), flush=True)
@@ -172,7 +165,7 @@ def markdown(data: dict) -> str:
         lines.append(f"| {r['shape']} | {dims} | {r['pass']} | {r['impl']} | {r['ms']:.3f} | "
                      f"{r['routed_TFLOPs']:.1f} | {r['rate_vs_dense']:.2f} | {r['speedup_vs_op3']:.2f} |")
     lines += ["", "Fused (each forward form) against op 3 on the same inputs (relative L2 error) and the configs the "
-              "autotuner picked:", ""]
+              "calls ran (tuned store or defaults):", ""]
     for r in data["rows"]:
         if r["impl"] in FUSED and r["pass"] == "fwd+bwd":
             errs = ", ".join(f"{k} {v:.2e}" for k, v in r["rel_error_vs_op3"].items())

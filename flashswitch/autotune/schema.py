@@ -61,6 +61,12 @@ KEYS: dict[str, Callable] = {
     "DX_num_stages": _int(1, 8), "DW_BLOCK_M": _pow2(16, 256), "DW_BLOCK_N": _pow2(16, 256),
     "DW_BLOCK_K": _pow2(16, 256), "DW_num_warps": _one_of(1, 2, 4, 8, 16), "DW_num_stages": _int(1, 8),
     "SPLIT_K": _int(1, 128), "DENSE_Z": _bool, "DENSE_X": _bool, "CAST_W": _bool,
+    # the fused SwitchHead output projection: forward tiles and form, the backward's da/dw (DA_) and
+    # weight-gradient (DW_) kernels
+    "BT": _pow2(16, 256), "BN": _pow2(16, 256), "BK": _pow2(16, 256), "GROUP_T": _int(1, 64), "HEAD_LOOP": _bool,
+    "FORM": _one_of("columns", "rows"), "DA_BT": _pow2(16, 256), "DA_BN": _pow2(16, 256),
+    "DA_num_warps": _one_of(1, 2, 4, 8, 16), "DA_num_stages": _int(1, 8), "DW_BM": _pow2(16, 256),
+    "DW_BN": _pow2(16, 256), "DW_BT": _pow2(16, 256), "DW_FORM": _one_of("columns", "rows"),
 }
 
 _TRITON_BASE = {"num_warps", "num_stages"}
@@ -83,6 +89,9 @@ CONFIG_KEYS: dict[tuple, set] = {
     ("expert_matmul.bwd", "triton"): {"DX_BLOCK_M", "DX_BLOCK_N", "DX_BLOCK_K", "DX_INTERLEAVE", "DX_PARTIALS",
                                       "DX_num_warps", "DX_num_stages", "DW_BLOCK_M", "DW_BLOCK_N", "DW_BLOCK_K",
                                       "DW_num_warps", "DW_num_stages", "SPLIT_K", "DENSE_Z", "DENSE_X", "CAST_W"},
+    ("switchhead_output", "triton"): _TRITON_BASE | {"BT", "BN", "BK", "GROUP_T", "HEAD_LOOP", "FORM"},
+    ("switchhead_output.bwd", "triton"): {"DA_BT", "DA_BN", "DA_num_warps", "DA_num_stages", "DW_BM", "DW_BN",
+                                          "DW_BT", "DW_num_warps", "DW_num_stages", "DW_FORM"},
 }
 
 
@@ -92,6 +101,7 @@ REQUIRED_KEYS: dict[tuple, tuple] = {
     ("chunk_summaries", "triton"): ("BLOCK_CHUNKS", "num_warps", "num_stages"),
     ("eva_attention", "triton"): ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
     ("expert_matmul", "triton"): ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_N", "INTERLEAVE", "num_warps", "num_stages"),
+    ("switchhead_output", "triton"): ("BT", "BN", "BK", "GROUP_T", "num_warps", "num_stages"),
 }
 
 

@@ -43,6 +43,8 @@ _ROUNDED = {
     "eva_attention.bwd": ("rows", "keys"),
     "expert_matmul": ("tokens",),
     "expert_matmul.bwd": ("tokens",),
+    "switchhead_output": ("tokens",),
+    "switchhead_output.bwd": ("tokens",),
 }
 
 
@@ -675,6 +677,80 @@ def _em_bwd_triton_space(f: dict) -> list[dict]:
     return unique
 
 
+# ---------------------------------------------------------------- switchhead_output (SwitchHead's fused O)
+# Tiles of kernels_triton/switchhead_output(_bwd).py. BT: tokens per tile, BN: output columns, BK / BM: rows
+# of W_cat; FORM / DW_FORM: the forward's / weight gradient's form ("columns": Z tiles built per column,
+# "rows": per expert block, a row scale of a's head tile). The first config of each list is the default (it
+# runs either form: a config without FORM runs the kernel module's FORWARD_FORM / DWEIGHT_FORM).
+SHO_FORWARD_COLUMNS = (
+    dict(BT=128, BN=128, BK=64, GROUP_T=8, num_warps=8, num_stages=3),
+    dict(BT=128, BN=128, BK=64, GROUP_T=8, num_warps=4, num_stages=4),
+    dict(BT=128, BN=64, BK=64, GROUP_T=8, num_warps=4, num_stages=4),
+    dict(BT=64, BN=128, BK=64, GROUP_T=8, num_warps=4, num_stages=4),
+    dict(BT=128, BN=128, BK=128, GROUP_T=8, num_warps=8, num_stages=2),
+    dict(BT=64, BN=64, BK=64, GROUP_T=8, num_warps=4, num_stages=3),
+)
+# the row-scale form: BK is the K step inside an expert block (at most BD, the padded head dim; HEAD_LOOP
+# steps by BD), a smaller step pads less (D = 76: 80 rows at 16, 96 at 32, 128 at 64 or more)
+SHO_FORWARD_ROWS = (
+    dict(BT=128, BN=128, BK=64, HEAD_LOOP=False, GROUP_T=8, num_warps=8, num_stages=3),
+    dict(BT=128, BN=128, BK=128, HEAD_LOOP=True, GROUP_T=8, num_warps=8, num_stages=2),
+    dict(BT=128, BN=64, BK=128, HEAD_LOOP=True, GROUP_T=8, num_warps=4, num_stages=3),
+    dict(BT=128, BN=128, BK=128, HEAD_LOOP=False, GROUP_T=8, num_warps=8, num_stages=2),
+    dict(BT=128, BN=64, BK=64, HEAD_LOOP=False, GROUP_T=8, num_warps=4, num_stages=4),
+    dict(BT=128, BN=128, BK=32, HEAD_LOOP=False, GROUP_T=8, num_warps=8, num_stages=4),
+    dict(BT=64, BN=128, BK=32, HEAD_LOOP=False, GROUP_T=8, num_warps=4, num_stages=4),
+    dict(BT=128, BN=128, BK=16, HEAD_LOOP=False, GROUP_T=8, num_warps=8, num_stages=5),
+)
+# the backward's da / gate-table gradient kernel (config keys DA_<key>)
+SHO_DA_DW = (
+    dict(BT=64, BN=64, num_warps=4, num_stages=3),
+    dict(BT=64, BN=128, num_warps=8, num_stages=3),
+    dict(BT=128, BN=64, num_warps=8, num_stages=3),
+    dict(BT=64, BN=64, num_warps=8, num_stages=4),
+)
+# the weight gradient (config keys DW_<key>); rows form: BM rows of one expert block (at most BD)
+SHO_DWEIGHT_COLUMNS = (
+    dict(BM=128, BN=128, BT=64, num_warps=8, num_stages=3),
+    dict(BM=128, BN=128, BT=64, num_warps=4, num_stages=4),
+    dict(BM=64, BN=128, BT=64, num_warps=4, num_stages=4),
+    dict(BM=128, BN=64, BT=64, num_warps=4, num_stages=4),
+    dict(BM=128, BN=128, BT=128, num_warps=8, num_stages=3),
+)
+SHO_DWEIGHT_ROWS = (
+    dict(BM=128, BN=128, BT=64, num_warps=8, num_stages=3),
+    dict(BM=64, BN=128, BT=64, num_warps=4, num_stages=4),
+    dict(BM=128, BN=64, BT=64, num_warps=4, num_stages=4),
+    dict(BM=128, BN=128, BT=128, num_warps=8, num_stages=3),
+    dict(BM=32, BN=128, BT=128, num_warps=4, num_stages=4),
+)
+
+
+def sho_backward_config(da_dw: dict, dweight: dict, form=None) -> dict:
+    """One backward config from a da/dw kernel config and a weight-gradient one (form: its DW_FORM)."""
+    return {**{f"DA_{k}": v for k, v in da_dw.items()}, **{f"DW_{k}": v for k, v in dweight.items()},
+            **({"DW_FORM": form} if form else {})}
+
+
+def _sho_triton_space(f: dict) -> list[dict]:
+    return ([{**c, "FORM": "columns"} for c in SHO_FORWARD_COLUMNS]
+            + [{**c, "FORM": "rows"} for c in SHO_FORWARD_ROWS])
+
+
+def _sho_triton_default(f: dict) -> dict:
+    return dict(SHO_FORWARD_COLUMNS[0])
+
+
+def _sho_bwd_triton_space(f: dict) -> list[dict]:
+    # both kernels run in one timed backward: their knobs are swept jointly (4 x 10 configs)
+    return [sho_backward_config(da, dw, form) for da in SHO_DA_DW
+            for form, dws in (("columns", SHO_DWEIGHT_COLUMNS), ("rows", SHO_DWEIGHT_ROWS)) for dw in dws]
+
+
+def _sho_bwd_triton_default(f: dict) -> dict:
+    return sho_backward_config(SHO_DA_DW[0], SHO_DWEIGHT_COLUMNS[0])
+
+
 # ---------------------------------------------------------------- registry
 SPACES = {
     ("chunk_summaries", "triton"): _cs_triton_space,
@@ -689,6 +765,8 @@ SPACES = {
     ("expert_matmul.bwd", "triton"): _em_bwd_triton_space,
     ("expert_matmul", "cuda"): _em_cuda_space,
     ("expert_matmul", "cupy"): _em_cuda_space,
+    ("switchhead_output", "triton"): _sho_triton_space,
+    ("switchhead_output.bwd", "triton"): _sho_bwd_triton_space,
 }
 DEFAULTS = {
     ("chunk_summaries", "triton"): _cs_triton_default,
@@ -701,6 +779,8 @@ DEFAULTS = {
     ("expert_matmul.bwd", "triton"): _em_bwd_triton_default,
     ("expert_matmul", "cuda"): _em_cuda_default,
     ("expert_matmul", "cupy"): _em_cuda_default,
+    ("switchhead_output", "triton"): _sho_triton_default,
+    ("switchhead_output.bwd", "triton"): _sho_bwd_triton_default,
 }
 FITS = {
     ("eva_attention", "triton"): _eva_triton_config_fits,
@@ -725,6 +805,15 @@ _EXPERT_MATMUL_SHAPES = [
     # SwitchAll-262M's sigma-MoE MLP (32 experts of 128, k = 4) up and down
     dict(T=16384, S=4, E=32, d_in=1024, d_out=128, G_out=4, gated=False, weight_dtype=torch.float32),
     dict(T=16384, S=4, E=32, d_in=128, d_out=1024, G_in=4, G_out=1, gated=True, weight_dtype=torch.float32),
+]
+
+# the fused SwitchHead output projection: the 262M and 47M layers (reference.switchhead_output.random_problem),
+# as under autocast (bf16 / fp16 a, fp32 master weights) and with weights in a's dtype
+_SWITCHHEAD_OUTPUT_SHAPES = [
+    dict(T=16384, H=4, E=4, k=2, D=112, d=1024),
+    dict(T=16384, H=2, E=5, k=3, D=76, d=412),
+    dict(T=16384, H=4, E=4, k=2, D=112, d=1024, weight_dtype=torch.float32),
+    dict(T=16384, H=2, E=5, k=3, D=76, d=412, weight_dtype=torch.float32),
 ]
 
 TUNE_SHAPES = {
@@ -760,6 +849,8 @@ TUNE_SHAPES = {
         dict(B=2, H=16, Hkv=4, Nk=8192, D=128, C=16, W=1024, window="block"),
     ],
     "expert_matmul.bwd": _EXPERT_MATMUL_SHAPES,
+    "switchhead_output": _SWITCHHEAD_OUTPUT_SHAPES,
+    "switchhead_output.bwd": _SWITCHHEAD_OUTPUT_SHAPES,
 }
 
 

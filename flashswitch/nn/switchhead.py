@@ -8,8 +8,7 @@ the destination side; in self-attention both read the layer input x):
 with A_h the causal attention output of head h. Both projections run as one op-3 call each
 (`flashswitch.route` + `flashswitch.expert_matmul`, gates fused, global expert id = h * E + e). With
 fused_output=True, the output projection on the Triton kernels with E / k <= FUSED_OUTPUT_MAX_MAC_RATIO is
-one dense GEMM over all experts with zero gates where a token picked none
-(kernels_triton/switchhead_output.py).
+one dense GEMM over all experts with zero gates where a token picked none (ops/switchhead_output.py).
 """
 from __future__ import annotations
 
@@ -18,18 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import forward_ad
 
-from flashswitch import backends
-from flashswitch._common import BACKEND_ENV, FLOAT_DTYPES, _under_functorch, env_get
+from flashswitch._common import FLOAT_DTYPES, _under_functorch
 from flashswitch.nn._routing import (check_positive, check_probability, compute_dtype, init_router_, matmul_weight,
                                      sigmoid_top_k)
 from flashswitch.ops.chunk_summaries import chunk_summaries
 from flashswitch.ops.eva_attention import eva_attention
-from flashswitch.ops import layers
+from flashswitch.ops import layers, switchhead_output as fused
 from flashswitch.ops.expert_matmul import expert_matmul, route
 
 ATTENTIONS = ("sdpa", "eva")
 _SDPA_HEAD_MULTIPLE = 8  # SDPA's flash kernels take head dims that are multiples of 8
-# The fused output projection (kernels_triton/switchhead_output.py) multiplies every expert of a head,
+# The fused output projection (ops/switchhead_output.py) multiplies every expert of a head,
 # E / k times the routed multiply-adds, but as one dense GEMM at tensor-core rate with no gather and no
 # slot sum; past E / k = 2 op 3's routed kernel runs. Opt-in (fused_output): its forward + backward beats
 # op 3's alone, but not yet inside the model's training step.
@@ -148,19 +146,6 @@ def attention_macs_per_token(num_heads: int, head_dim: int, seq_len: int, *, att
 
 
 # ---------------------------------------------------------------- the layer
-@torch.compiler.assume_constant_result  # an environment read: torch.compile takes the answer as a constant
-def _fused_output_backend(backend: str, device: str) -> bool:
-    """Whether `backend` on `device` runs the Triton kernels, as the fused output projection needs:
-    "triton" where it can run, "auto" on CUDA unless FLASHSWITCH_BACKEND names another backend."""
-    device = torch.device(device)
-    if backend == "auto":
-        forced = (env_get(BACKEND_ENV) or "auto").strip() or "auto"
-        if forced not in ("auto", "triton") or (forced == "auto" and device.type != "cuda"):
-            return False
-        backend = "triton"
-    return backend == "triton" and backends.available("triton", device)
-
-
 class SwitchHeadAttention(nn.Module):
     """Causal self-attention with mixture-of-experts value and output projections (SwitchHead).
 
@@ -172,7 +157,7 @@ class SwitchHeadAttention(nn.Module):
     RoPE models rotate half; 0 turns it off). expert_dropout: probability of dropping a router score in
     training. backend: the flashswitch backend of every op the layer calls ("auto": kernels on the GPU,
     the differentiable reference on the CPU). fused_output: the output projection as one dense GEMM over
-    every expert of a head (kernels_triton/switchhead_output.py) where E / k <= 2 on the Triton kernels.
+    every expert of a head (ops/switchhead_output.py) where E / k <= 2 on the Triton kernels.
 
     forward(x [B, N, embed_dim]) -> [B, N, embed_dim]; no host synchronisation (routing runs with
     check=False), so it can run under torch.compile and CUDA-graph capture. Inside autocast the expert
@@ -277,10 +262,8 @@ class SwitchHeadAttention(nn.Module):
                           backend=self.backend)
         o_weight = matmul_weight(self.o_experts, dt)
         if self.fused_output_wanted(x2, o_weight):
-            from flashswitch.kernels_triton.switchhead_output import switchhead_output
-
             def output(a: torch.Tensor) -> torch.Tensor:
-                y = switchhead_output(a, ids[1], o_gates, o_weight, E, check=False, backend="triton")
+                y = fused.switchhead_output(a, ids[1], o_gates, o_weight, E, check=False, backend=self.backend)
                 return y.view(a.shape[0], 1, -1)
             return v, output
         o_route = route(ids[1], H * E, check=False)
@@ -291,8 +274,9 @@ class SwitchHeadAttention(nn.Module):
         return v, output
 
     def fused_output_wanted(self, x2: torch.Tensor, o_weight: torch.Tensor) -> bool:
-        """Whether the output projection runs the fused kernel (kernels_triton/switchhead_output.py): asked
-        for (fused_output), the backend is "triton", or "auto" on CUDA (FLASHSWITCH_BACKEND unset or "triton"), E / k is at most
+        """Whether the output projection runs the fused kernels (ops/switchhead_output.py): asked for
+        (fused_output), the op runs its kernels on the layer's backend (its own choice: "triton", or "auto"
+        on CUDA unless FLASHSWITCH_BACKEND names another backend), E / k is at most
         FUSED_OUTPUT_MAX_MAC_RATIO, the kernels take the dtypes, and no torch.func transform or
         forward-mode AD is active (their batching and tangents only op 3's paths carry)."""
         if not self.fused_output or self.num_experts > FUSED_OUTPUT_MAX_MAC_RATIO * self.experts_per_head:
@@ -301,7 +285,7 @@ class SwitchHeadAttention(nn.Module):
             return False
         if not torch.compiler.is_compiling() and (_under_functorch() or forward_ad._current_level >= 0):
             return False
-        return _fused_output_backend(self.backend, str(x2.device))
+        return fused.runs_kernels(self.backend, str(x2.device))
 
     def macs_per_token(self, seq_len: int) -> float:
         """Multiply-accumulates per token: routers, dense q/k, k experts of V and O per head, and causal

@@ -137,6 +137,8 @@ class OpDef:
     unfit: Optional[Callable] = None  # (backend, *args) -> why the kernels do not take the problem, or None
     grad_prepare: Optional[Callable] = None  # (args, key, tensors) -> (arguments, scalars) of the backward's
     # prepare (default: the launch's tensors and `scalars`)
+    kernel_backends: tuple = backends.KERNELS  # the kernel backends with launchers of this op (named others raise;
+    # FLASHSWITCH_BACKEND naming another sends 'auto' to the reference)
 
     def __post_init__(self):
         decl = [a.strip().rsplit(" ", 1) for a in self.schema.split(",")]
@@ -300,7 +302,7 @@ class OpDef:
         if self.unfit is not None and backend == "auto" and self.unfit("auto", *args):
             backend = "reference"
         features = lambda table: self.features(table, *args)  # noqa: E731
-        backend, bucket = call_plan.resolve(self.name, backend, args[0].device, features)
+        backend, bucket = call_plan.resolve(self.name, backend, args[0].device, features, self.kernel_backends)
         kernels = backends.TABLE[backend].kernels
         why = self.unfit(backend, *args) if kernels and self.unfit is not None else None
         if why:

@@ -147,28 +147,34 @@ def check_state() -> None:
 
 
 # ---------------------------------------------------------------- configs
-def resolve_backend(op: str, backend: str, device: torch.device, bucket: Optional[dict]) -> str:
-    """Turn `backend` ('auto' or a name) into a backend that can run here, or raise."""
+def resolve_backend(op: str, backend: str, device: torch.device, bucket: Optional[dict],
+                    kernels: tuple = backends.KERNELS) -> str:
+    """Turn `backend` ('auto' or a name) into a backend that can run here, or raise. kernels: the kernel
+    backends that have this op's launchers."""
     items = None if bucket is None else tuple(sorted(bucket.items()))
-    return _resolve_backend(op, backend, str(device), items)
+    return _resolve_backend(op, backend, str(device), items, tuple(kernels))
 
 
 @torch.compiler.assume_constant_result  # imports and file reads: torch.compile takes the answer as a constant
-def _resolve_backend(op: str, backend: str, device: str, bucket: Optional[tuple]) -> str:
+def _resolve_backend(op: str, backend: str, device: str, bucket: Optional[tuple], kernels: tuple) -> str:
     device = torch.device(device)
     bucket = None if bucket is None else dict(bucket)
+    if backend in backends.KERNELS and backend not in kernels:
+        raise ValueError(f"backend {backend!r} has no {op} kernels; use 'auto', 'reference' or one of {kernels}")
     if backend == "auto":
         backend = (C.env_get(C.BACKEND_ENV) or "auto").strip() or "auto"
         if backend != "auto" and backend not in backends.NAMES:
             raise ValueError(f"environment variable {C.BACKEND_ENV}={backend!r} is not a backend; expected one of "
                              f"{backends.NAMES} or 'auto'")
+        if backend in backends.KERNELS and backend not in kernels:
+            return "reference"  # the setting names kernels this op lacks: what 'auto' falls back to
     if backend == "auto":
         if device.type != "cuda":
             return "reference"
         best = store.best_backend(op, bucket) if bucket is not None else None
-        if best is not None and backends.available(best, device):
+        if best is not None and best in kernels + ("reference",) and backends.available(best, device):
             return best
-        for candidate in backends.KERNELS:
+        for candidate in kernels:
             if backends.available(candidate, device):
                 return candidate
         return "reference"
@@ -220,11 +226,12 @@ class Plan:
     opdef: object = field(default=None, compare=False, repr=False)  # the op's OpDef (ops/_opdef.py)
 
 
-def resolve(op: str, backend: str, device: torch.device, features: Callable) -> tuple[str, Optional[dict]]:
+def resolve(op: str, backend: str, device: torch.device, features: Callable,
+            kernels: tuple = backends.KERNELS) -> tuple[str, Optional[dict]]:
     """(the backend that runs this call, the forward's bucket or None): `auto` on a GPU picks by the
     problem's bucket (`features(op)`), computed once here and handed on to the config lookup."""
     bucket = features(op) if device.type == "cuda" else None
-    return resolve_backend(op, backend, device, bucket), bucket
+    return resolve_backend(op, backend, device, bucket, kernels), bucket
 
 
 def forward_launch(op: str, backend: str, config: Mapping, scalars: dict, inputs: Optional[tuple] = None,
