@@ -399,6 +399,11 @@ def _eva_bwd_triton_default(f: dict) -> dict:
     # 16-bit prefill: the dK/dV walk in three loops (unmasked middle) is 8-20% faster on the H200's
     # block and sliding buckets; decode shapes keep one loop (not measured there)
     split_loops = {} if decode else {"KV_SPLIT_LOOPS": True}
+    if D <= 64 and not decode:
+        # the tiles the tuner picked at every D = 64 bucket it ran (H100: SmolLM2's sliding W 256 at
+        # 8 x 2048 and 2 x 8192; H200: block W 2048): 64 x 64, one warpgroup, for both kernels
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
+                "BLOCK_M_DQ": 64, "BLOCK_N_DQ": 64, "num_warps_dq": 4, "num_stages_dq": 3}
     if D <= 128:
         return {"BLOCK_M": 16 if decode else 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2,
                 "BLOCK_M_DQ": 16 if decode else 128, "BLOCK_N_DQ": 64, "num_warps_dq": 8, "num_stages_dq": 2,
