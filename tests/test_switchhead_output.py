@@ -19,7 +19,7 @@ from flashswitch.nn import SwitchHeadAttention
 from flashswitch.nn import switchhead as SH
 from flashswitch.ops import call_plan, switchhead_output as op
 from flashswitch.ops.expert_matmul import expert_matmul, route
-from flashswitch.reference.switchhead_output import torch_switchhead_output
+from flashswitch.reference.switchhead_output import random_problem as reference_problem, torch_switchhead_output
 from flashswitch.testing import assert_close, conditioning_tol
 
 F64 = torch.float64
@@ -48,16 +48,12 @@ def bwd_config(da_dw=None, dweight=None) -> dict:
 
 
 def make_problem(T, H, E, k, D, d, dtype=torch.float32, *, master=False, seed=0, device=DEVICE):
-    """SwitchHead's output routing: per head k distinct experts of E (slot h·k + j, global id h·E + e),
-    sigmoid-like gates in (0, 1); weight fp32 master weights with `master`, else in a's dtype."""
-    g = torch.Generator().manual_seed(seed)
-    scores = torch.rand(T, H, E, generator=g)
-    ids = (scores.topk(k, -1).indices + torch.arange(H)[:, None] * E).reshape(T, H * k)
-    gates = torch.rand(T, H * k, generator=g)
-    a = torch.randn(T, H, D, generator=g)
-    weight = torch.randn(H * E, D, d, generator=g) * max(H * D, 1) ** -0.5
-    return dict(a=a.to(device, dtype), ids=ids.to(device), gates=gates.to(device),
-                weight=weight.to(device, torch.float32 if master else dtype), E=E)
+    """The reference's random problem (reference/switchhead_output.py), its weight fp32 master weights with
+    `master`, else in a's dtype; E for num_experts."""
+    p = reference_problem(T, H, E, k, D, d, dtype=dtype, weight_dtype=torch.float32 if master else None,
+                          device=device, seed=seed)
+    p["E"] = p.pop("num_experts")
+    return p
 
 
 def routed_sum(a, ids, gates, weight, E, dtype):
