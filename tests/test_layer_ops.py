@@ -205,33 +205,52 @@ def test_switchhead_layer_with_the_rotary_kernel_equals_torch(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,E,k", [(257, 4, 2), (64, 5, 3), (9, 1, 1), (130, 16, 4), (33, 32, 4), (7, 64, 64),
-                                      (0, 4, 2)])
-def test_top_k_rows_equals_a_stable_sort(rows, E, k):
-    """The routers' top-k kernel picks what a stable descending sort picks, in the same order: scores on
-    a coarse grid (many ties, lower column first), exact zeros as after expert dropout."""
-    g = torch.Generator().manual_seed(rows + E)
-    scores = (torch.randint(0, 5, (rows, 2, E), generator=g) / 4.0).to(DEVICE)[:, 1]  # strided rows
-    got = layer_ops.top_k_rows(scores, k)
-    want = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
-    assert got.dtype == torch.int64 and torch.equal(got, want)
+@pytest.mark.parametrize("T,P,H,E,k", [(257, 1, 1, 4, 2), (64, 2, 3, 5, 3), (9, 1, 2, 1, 1), (130, 2, 4, 16, 4),
+                                         (33, 1, 1, 32, 4), (7, 1, 1, 64, 64), (0, 2, 2, 4, 2)])
+@pytest.mark.parametrize("offset", [False, True])
+def test_top_k_gates_equals_a_stable_sort(T, P, H, E, k, offset):
+    """The routers' top-k kernel picks what a stable descending sort picks, in the same order (scores on a
+    coarse grid: many ties, lower column first; exact zeros as after expert dropout), lays them out as
+    [P, T, H k] (ids h E + e with offset) with their scores as gates, and its backward puts each gate's
+    gradient (an expanded one too) at its pick, as torch.gather's does."""
+    g = torch.Generator().manual_seed(T + E)
+    scores = (torch.randint(0, 5, (T, P, H, E), generator=g) / 4.0).to(DEVICE).requires_grad_()
+    idx, gates = layer_ops.top_k_gates(scores, k, offset)
+    want = scores.detach().sort(dim=-1, descending=True, stable=True).indices[..., :k]    # [T, P, H, k]
+    want_gates = torch.gather(scores, -1, want)
+    if offset:
+        want = want + torch.arange(H, device=DEVICE)[:, None] * E
+    assert idx.dtype == torch.int64 and idx.shape == (P, T, H * k)
+    assert torch.equal(idx, want.permute(1, 0, 2, 3).reshape(P, T, H * k))
+    assert torch.equal(gates, want_gates.detach().permute(1, 0, 2, 3).reshape(P, T, H * k))
+    up = torch.randn(P, T, H * k, generator=g).to(DEVICE)
+    for u in (up, torch.ones(()).to(DEVICE).expand(P, T, H * k)):
+        got, = torch.autograd.grad(gates, scores, u, retain_graph=True)
+        ref, = torch.autograd.grad(want_gates, scores, u.reshape(P, T, H, k).permute(1, 0, 2, 3), retain_graph=True)
+        assert torch.equal(got, ref)
 
 
-def test_routers_take_the_top_k_kernel(monkeypatch):
-    """sigmoid_top_k's choice comes from the kernel where fused kernels serve (CUDA, eager), from the
-    sort otherwise; the gates keep their gradient either way."""
-    from flashswitch.nn._routing import sigmoid_top_k
+@pytest.mark.parametrize("offset_layout", [False, True])
+def test_routers_take_the_top_k_kernel(monkeypatch, offset_layout):
+    """sigmoid_top_k's and head_top_k's choice and gates come from the kernel where it serves (CUDA, eager),
+    from the sort otherwise: the same ids, gates and logits' gradient either way."""
+    from flashswitch.nn._routing import head_top_k, sigmoid_top_k
     calls = []
-    real = layer_ops.top_k_rows
-    monkeypatch.setattr(layer_ops, "top_k_rows", lambda s, k: calls.append(k) or real(s, k))
-    monkeypatch.setattr(layers, "_on_kernels", lambda tensors: True)
-    logits = torch.randn(6, 3, 8, device=DEVICE, requires_grad=True)
-    idx, gates = sigmoid_top_k(logits, 2)
+    real = layer_ops.top_k_gates
+    monkeypatch.setattr(layer_ops, "top_k_gates", lambda s, k, o=False: calls.append(k) or real(s, k, o))
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 2, 3, 8, generator=g).to(DEVICE).requires_grad_()
+    route = (lambda x: head_top_k(x, 2)) if offset_layout else (lambda x: sigmoid_top_k(x, 2))
+    runs = []
+    for kernel in (True, False):
+        monkeypatch.setattr(layers, "_on_kernels", lambda tensors, kernel=kernel: kernel)
+        idx, gates = route(logits)
+        up = torch.linspace(-1, 1, gates.numel(), device=DEVICE).view(gates.shape)
+        runs.append((idx, gates.detach(), torch.autograd.grad(gates, logits, up)[0]))
     assert calls == [2]
-    want = torch.sigmoid(logits).sort(dim=-1, descending=True, stable=True).indices[..., :2]
-    assert torch.equal(idx, want)
-    gates.sum().backward()
-    assert logits.grad is not None and torch.count_nonzero(logits.grad).item() == 6 * 3 * 2
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert torch.count_nonzero(runs[0][2]).item() == 6 * 2 * 3 * 2
 
 
 def test_launches_are_kept_per_metadata():

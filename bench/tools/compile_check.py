@@ -287,8 +287,9 @@ def check_layer_ops(arch: int, dtype: str) -> list[dict]:
         "silu_mul 8192": lambda: ops.silu_mul(torch.zeros(16, 1, 8192, dtype=dt), torch.zeros(16, 1, 8192, dtype=dt)),
         "rotary_packed fwd+bwd": lambda: ops.rotary_packed(torch.zeros(2, 8, 2, 4, 112, dtype=dt, requires_grad=True),
                                                            torch.zeros(28), 56).sum().backward(),
-        "top_k_rows 4 of 2": lambda: ops.top_k_rows(torch.zeros(64, 2, 4, 4), 2),
-        "top_k_rows 32 of 4": lambda: ops.top_k_rows(torch.zeros(64, 32), 4),
+        "top_k_gates 4 of 2 fwd+bwd": lambda: ops.top_k_gates(torch.zeros(64, 2, 4, 4, requires_grad=True), 2,
+                                                               True)[1].sum().backward(),
+        "top_k_gates 32 of 4": lambda: ops.top_k_gates(torch.zeros(64, 1, 1, 32), 4),
     }
     return [compile_row({"op": "layer_ops", "shape": index, "config": {"case": name}}, [ops], run, arch, name)
             for index, (name, run) in enumerate(cases.items())]

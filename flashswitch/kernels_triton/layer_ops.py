@@ -7,8 +7,9 @@ backward), fp32 copies of their inputs included; in a decode step or a training 
 kernels and their host time, not the attention, can set the pace, and in a long prefill their memory
 traffic does. Same math as the torch versions (fp32 arithmetic, the same roundings to the input dtype).
 The inference kernels serve calls that need no gradient (the torch versions keep autograd). Also the
-routers' top-k over a few experts per row (nn/_routing.py), where torch's row sort launches a block
-per 4-expert row. Which calls they serve is decided in ops/layers.py, through which the layers reach them.
+routers' top-k over a few experts per row with its gates and their gradient (nn/_routing.py), where torch's
+row sort launches a block per 4-expert row and the gather, offsets and layout as many launches again.
+Which calls they serve is decided in ops/layers.py, through which the layers reach them.
 """
 from __future__ import annotations
 
@@ -218,31 +219,97 @@ def rotary_packed(t: torch.Tensor, inv_freq: torch.Tensor, n_rot: int) -> torch.
 
 
 @triton.jit
-def _top_k_rows_kernel(s_ptr, idx_ptr, R, E, s_row, K: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_E: tl.constexpr):
-    """BLOCK_R rows: K rounds of argmax (ties: the lowest column), each taking its winner out."""
+def _top_k_kernel(s_ptr, idx_ptr, g_ptr, R, E, PH, H, s_row, s_ip, s_it, s_gp, s_gt, K: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, GATES: tl.constexpr, OFFSET: tl.constexpr):
+    """BLOCK_R rows r = (t, p, h) of scores [T, P, H, E] (row stride s_row): K rounds of argmax (ties: the
+    lowest column), each taking its winner out; pick j of row r goes to [p, t, h K + j] of the outputs,
+    its id plus h E with OFFSET, its score to the gates with GATES."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_E)
     rmask = rows < R
-    x = tl.load(s_ptr + rows[:, None] * s_row + cols[None, :], mask=rmask[:, None] & (cols[None, :] < E),
-                other=-float("inf"))
+    src = s_ptr + rows * s_row
+    x = tl.load(src[:, None] + cols[None, :], mask=rmask[:, None] & (cols[None, :] < E), other=-float("inf"))
     x = tl.where(x == x, x, -float("inf"))  # NaN scores lose (torch's sort ranks them first: no such routing)
+    t = rows // PH
+    h = rows % H
+    p = (rows - t * PH) // H
+    base = h * E if OFFSET else 0
     for j in tl.static_range(K):
         best = tl.minimum(tl.argmax(x, axis=1, tie_break_left=True), E - 1)
-        tl.store(idx_ptr + rows * K + j, best.to(tl.int64), mask=rmask)
+        tl.store(idx_ptr + p * s_ip + t * s_it + h * K + j, (best + base).to(tl.int64), mask=rmask)
+        if GATES:  # the score itself (a NaN one too), as torch.gather gives it
+            tl.store(g_ptr + p * s_gp + t * s_gt + h * K + j, tl.load(src + best, mask=rmask), mask=rmask)
         x = tl.where(cols[None, :] == best[:, None], -float("inf"), x)
 
 
-def top_k_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The columns of the k largest entries of each row of scores [..., E] (fp32, unit last stride),
-    largest first, ties to the lower column: what scores.sort(-1, descending=True, stable=True)
-    .indices[..., :k] gives for rows without NaN. int64 [..., k]."""
-    E = scores.shape[-1]
-    s2 = _rows(scores)
-    idx = new_output((s2.shape[0], k), torch.int64, scores.device)
+@triton.jit
+def _top_k_grad_kernel(dg_ptr, idx_ptr, ds_ptr, R, E, PH, H, s_ip, s_it, s_gp, s_gt, s_gk, s_drow, K: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, OFFSET: tl.constexpr):
+    """The scores' gradient of `_top_k_kernel`'s gates: row r of ds is zero but at its K picks, which get
+    their gates' gradients (summed where a column was picked twice; dg with any strides, e.g. expanded)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < R
+    t = rows // PH
+    h = rows % H
+    p = (rows - t * PH) // H
+    base = h * E if OFFSET else 0
+    acc = tl.zeros([BLOCK_R, BLOCK_E], dtype=tl.float32)
+    for j in tl.static_range(K):
+        e = tl.load(idx_ptr + p * s_ip + t * s_it + h * K + j, mask=rmask, other=0) - base
+        d = tl.load(dg_ptr + p * s_gp + t * s_gt + (h * K + j) * s_gk, mask=rmask, other=0.0).to(tl.float32)
+        acc += tl.where(cols[None, :] == e[:, None], d[:, None], 0.0)
+    tl.store(ds_ptr + rows[:, None] * s_drow + cols[None, :], acc, mask=rmask[:, None] & (cols[None, :] < E))
+
+
+def _top_k_tiles(E: int) -> tuple:
     block_e = next_pow2(max(E, 1))
-    block_r = max(1, min(256, 4096 // block_e))
+    return max(1, min(256, 4096 // block_e)), block_e
+
+
+def _top_k(scores: torch.Tensor, k: int, gates: bool, offset: bool):
+    """(idx int64 [P, T, H k], gates fp32 [P, T, H k] or None) of scores [T, P, H, E] (fp32)."""
+    T, P, H, E = scores.shape
+    s2 = _rows(scores)
+    idx = new_output((P, T, H * k), torch.int64, scores.device)
+    g = new_output((P, T, H * k), torch.float32, scores.device) if gates else idx
+    block_r, block_e = _top_k_tiles(E)
     if s2.shape[0] and k:
-        launch(_top_k_rows_kernel, (-(-s2.shape[0] // block_r),), (s2, idx), (s2.shape[0], E, s2.stride(0)),
-               dict(K=k, BLOCK_R=block_r, BLOCK_E=block_e), _WARPS4)
-    return idx.view(*scores.shape[:-1], k)
+        launch(_top_k_kernel, (-(-s2.shape[0] // block_r),), (s2, idx, g),
+               (s2.shape[0], E, P * H, H, s2.stride(0), *idx.stride()[:2], *g.stride()[:2]),
+               dict(K=k, BLOCK_R=block_r, BLOCK_E=block_e, GATES=gates, OFFSET=offset), _WARPS4)
+    return idx, (g if gates else None)
+
+
+class _TopKGates(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, k, offset):
+        idx, gates = _top_k(scores, k, True, offset)
+        ctx.save_for_backward(idx)
+        ctx.mark_non_differentiable(idx)
+        ctx.shape, ctx.offset = scores.shape, offset
+        return idx, gates
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_idx, d_gates):
+        (idx,) = ctx.saved_tensors
+        T, P, H, E = ctx.shape
+        ds = new_output((T, P, H, E), torch.float32, idx.device)
+        R, k = T * P * H, idx.shape[2] // max(H, 1)
+        if d_gates is None:
+            return ds.zero_(), None, None
+        block_r, block_e = _top_k_tiles(E)
+        if R:
+            launch(_top_k_grad_kernel, (-(-R // block_r),), (d_gates, idx, ds),
+                   (R, E, P * H, H, *idx.stride()[:2], *d_gates.stride(), E),
+                   dict(K=k, BLOCK_R=block_r, BLOCK_E=block_e, OFFSET=ctx.offset), _WARPS4)
+        return ds, None, None
+
+
+def top_k_gates(scores: torch.Tensor, k: int, offset: bool = False):
+    """The routers' choice and gates in one launch: scores [T, P, H, E] (fp32; P routings of H heads,
+    e.g. SwitchHead's value and output routers) -> (idx int64 [P, T, H k], gates fp32 [P, T, H k]), slot
+    h k + j holding head h's j-th pick (a stable descending sort's order), as id h E + e with `offset`, else e, and its
+    score. Differentiable in the gates (the backward, one launch, puts each gate's gradient at its pick)."""
+    return _TopKGates.apply(scores, k, offset)

@@ -18,8 +18,8 @@ from torch import nn
 from torch.autograd import forward_ad
 
 from flashswitch._common import FLOAT_DTYPES, _under_functorch
-from flashswitch.nn._routing import (check_positive, check_probability, compute_dtype, init_router_, matmul_weight,
-                                     sigmoid_top_k)
+from flashswitch.nn._routing import (check_positive, check_probability, compute_dtype, head_top_k, init_router_,
+                                     matmul_weight)
 from flashswitch.ops.chunk_summaries import chunk_summaries
 from flashswitch.ops.eva_attention import eva_attention
 from flashswitch.ops import layers, switchhead_output as fused
@@ -229,9 +229,7 @@ class SwitchHeadAttention(nn.Module):
         T = x2.shape[0]
         H, E, k = self.num_heads, self.num_experts, self.experts_per_head
         logits = F.linear(x2, self.router.to(x2.dtype)).view(T, 2, H, E)
-        idx, gates = sigmoid_top_k(logits, k, expert_dropout=self.expert_dropout, training=self.training)
-        idx = idx + torch.arange(H, device=idx.device)[:, None] * E
-        return idx.transpose(0, 1).reshape(2, T, H * k), gates.transpose(0, 1).reshape(2, T, H * k)
+        return head_top_k(logits, k, expert_dropout=self.expert_dropout, training=self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):

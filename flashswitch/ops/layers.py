@@ -1,5 +1,5 @@
 """The fused kernels the layers and the cache call around the three ops, as they reach them: the
-decoder layers' rotary, RMSNorm (with its residual add), SwiGLU product, routers' top-k and packed
+decoder layers' rotary, RMSNorm (with its residual add), SwiGLU product, routers' top-k with gates and packed
 rotary (kernels_triton/layer_ops.py), and EvaCache's bookkeeping (kernels_triton/eva_cache.py).
 
 Whether a fused kernel serves a call is asked of the backend table (backends.py: Triton runs on the
@@ -46,6 +46,12 @@ def packed_rotary(t: torch.Tensor) -> bool:
     return True
 
 
+def routing_kernel(scores: torch.Tensor) -> bool:
+    """Whether the routers' top-k kernel (differentiable in its gates) serves scores: it runs there and the
+    call is eager (not traced, plain tensors)."""
+    return _on_kernels((scores,)) and eager_autograd_path(scores)
+
+
 def cache_kernels(device: torch.device, backend: str):
     """The module of EvaCache's step kernels for a cache on `device` whose ops run on `backend`, or None
     (torch ops): on a GPU whatever the ops' backend, and under the interpreter for the Triton one."""
@@ -76,9 +82,9 @@ def rotary_packed(t, inv_freq, n_rot):
     return _layer_ops().rotary_packed(t, inv_freq, n_rot)
 
 
-def top_k_rows(scores, k):
-    return _layer_ops().top_k_rows(scores, k)
+def top_k_gates(scores, k, offset=False):
+    return _layer_ops().top_k_gates(scores, k, offset)
 
 
-__all__ = ["fused", "packed_rotary", "cache_kernels", "rotary_qk", "add_rms_norm", "silu_mul", "rotary_packed",
-           "top_k_rows"]
+__all__ = ["fused", "packed_rotary", "routing_kernel", "cache_kernels", "rotary_qk", "add_rms_norm", "silu_mul",
+           "rotary_packed", "top_k_gates"]
