@@ -14,7 +14,8 @@ fixed seeds. A case a side cannot run (no backward pass, a missing argument) is 
 there and gets no ratio; head failing a case that REV runs fails the gate.
 
 Cases (CASES, below): forward at the headline shapes, forward + backward at each op's first one (op 2:
-all three), op 2's decode step, and host time per call at tiny shapes next to a bare Triton launch (a
+all three), op 2 forward and forward + backward at SmolLM2-135M's fine-tuning shapes, op 2's decode step,
+and host time per call at tiny shapes next to a bare Triton launch (a
 reference for the host's speed: not gated). For every case, rounds alternate the sides (REV then head,
 head then REV on odd rounds); a round is do_bench's median of CUDA-event timings with the L2 flushed
 (ms per call) or, for host rows, the CPU time per call over back-to-back calls (us). Each side's value
@@ -78,10 +79,15 @@ class Case:
 OP1 = registry.CHUNK_SUMMARIES_SHAPES["n32768"]
 OP1_SMOKE = dict(B=1, H=2, N=64, D=32, C=16)
 OP2 = {n: s for n, s in registry.EVA_ATTENTION_SHAPES.items() if n != "decode"}  # q_offset, bias: defaults
+# and SmolLM2-135M's attention at its fine-tuning shapes (9 query / 3 kv heads, D 64, sliding W 256 C 32)
+OP2.update(smollm2_8x2048=dict(B=8, H=9, Hkv=3, Nk=2048, D=64, C=32, W=256, window="sliding"),
+           smollm2_2x8192=dict(B=2, H=9, Hkv=3, Nk=8192, D=64, C=32, W=256, window="sliding"))
 OP2_SMOKE = {
     "block_d128": dict(B=1, H=2, Hkv=2, Nk=64, D=32, C=8, W=32, window="block"),
     "block_d64_b2": dict(B=2, H=2, Hkv=1, Nk=48, D=16, C=8, W=16, window="block"),
     "sliding_w256": dict(B=1, H=2, Hkv=2, Nk=64, D=32, C=8, W=16, window="sliding"),
+    "smollm2_8x2048": dict(B=2, H=3, Hkv=1, Nk=64, D=16, C=8, W=16, window="sliding"),
+    "smollm2_2x8192": dict(B=1, H=3, Hkv=1, Nk=96, D=16, C=8, W=16, window="sliding"),
 }
 DECODE = registry.EVA_ATTENTION_SHAPES["decode"]
 DECODE_SMOKE = dict(B=2, H=2, Hkv=2, Nq=1, Nk=64, D=32, C=8, W=32, window="block")
